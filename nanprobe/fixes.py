@@ -1,0 +1,321 @@
+"""The fix catalog: cause -> Fix templates adapted to the finding; optional verification reruns.
+
+Each template gets the finding and the evidence and returns a Fix (or None when it does not
+apply). A template may carry a verifier: a dict of ``run_step`` overrides; ``attach`` reruns the
+step with them and marks the fix verified when the step becomes finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .classify import Evidence, op_base
+from .instrument import LOSS_FN
+from .precision import Precision
+from .report import Cause, Finding, Fix, Phase
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    build: Callable[[Finding, Evidence], Fix | None]
+    verify: Callable[[Finding, Evidence], dict[str, Any] | None] | None = None
+
+
+CATALOG: dict[Cause, list[Template]] = {c: [] for c in Cause}
+
+
+def fix_for(*causes: Cause, verify: Callable[[Finding, Evidence], dict[str, Any] | None] | None = None):
+    def deco(fn: Callable[[Finding, Evidence], Fix | None]):
+        for c in causes:
+            CATALOG[c].append(Template(fn, verify))
+        return fn
+    return deco
+
+
+def _mod(f: Finding) -> str:
+    return f.module if f.module not in (None, "", LOSS_FN) else "model"
+
+
+def _attr(f: Finding) -> str:
+    """Python expression for the module: model.blocks[1].attn."""
+    if not f.module or f.module == LOSS_FN:
+        return "model"
+    out = "model"
+    for part in f.module.split("."):
+        out += f"[{part}]" if part.isdigit() else f".{part}"
+    return out
+
+
+def _src(ev: Evidence) -> str:
+    e = ev.origin
+    return f"  # {e.source}: {e.code}" if e is not None and e.source and e.code else ""
+
+
+def _device(ev: Evidence) -> str:
+    return "cuda" if ev.reached.snapshot and any(
+        t.is_cuda for t in ev.reached.snapshot.model.values()) else "cpu"
+
+
+# -- precision ---------------------------------------------------------------------------------
+def _is_low_run(ev: Evidence) -> bool:
+    return ev.reached.precision.low
+
+
+@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: {"precision": Precision.BF16}
+         if ev.reached.precision is Precision.FP16 else None)
+def _bf16(f: Finding, ev: Evidence) -> Fix | None:
+    if ev.reached.precision is not Precision.FP16:
+        return None
+    dev = _device(ev)
+    return Fix(title="Train in bf16 instead of fp16 (same range as fp32; no GradScaler needed)",
+               code=f'with torch.autocast("{dev}", dtype=torch.bfloat16):\n    loss = loss_fn(model, batch)\n'
+                    f'loss.backward()  # drop GradScaler: bf16 does not underflow like fp16'
+                    + ("\n# on CUDA check torch.cuda.is_bf16_supported() (Ampere or newer)" if dev == "cuda" else ""),
+               why="bf16 has fp32's 8-bit exponent: max 3.4e38 instead of 65504, smallest normal 1.2e-38 "
+                   "instead of 6.1e-5")
+
+
+@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, Cause.LOG, Cause.DIV, Cause.SQRT,
+         verify=lambda f, ev: {"fp32_module": f.module}
+         if _is_low_run(ev) and f.module and f.module != LOSS_FN and f.phase is not Phase.UPDATE else None)
+def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
+    if not _is_low_run(ev) or f.phase is Phase.UPDATE:
+        return None
+    dev = _device(ev)
+    if f.module and f.module != LOSS_FN:
+        code = (f"# keep {f.module} in float32 while the rest runs in {ev.reached.precision.value}\n"
+                f"import functools, torch\n"
+                f"block = {_attr(f)}\n"
+                f"_forward = block.forward\n\n"
+                f"@functools.wraps(_forward)\n"
+                f"def forward_fp32(*args, **kwargs):\n"
+                f'    with torch.autocast("{dev}", enabled=False):\n'
+                f"        cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t\n"
+                f"        return _forward(*map(cast, args), **{{k: cast(v) for k, v in kwargs.items()}})\n\n"
+                f"block.forward = forward_fp32")
+    else:
+        code = (f'with torch.autocast("{dev}", enabled=False):  # an fp32 island for the loss\n'
+                f"    loss = compute_loss(output.float(), target)")
+    return Fix(title=f"Run {_mod(f)} in float32 (an fp32 island inside autocast)", code=code,
+               why="a nested autocast(enabled=False) with float32 inputs computes this block at full range and "
+                   "precision; everything else keeps the speed of low precision")
+
+
+@fix_for(Cause.OVERFLOW)
+def _scale_before_matmul(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if e is None or op_base(e.op) not in ("bmm", "mm", "matmul", "baddbmm", "addmm"):
+        return None
+    if not (f.module and "att" in f.module.lower()):
+        return None
+    return Fix(title="Scale q before q @ k^T (or use F.scaled_dot_product_attention)",
+               code="# scale first, so the product never leaves the fp16 range\n"
+                    "q = q * (q.size(-1) ** -0.5)\n"
+                    "scores = q @ k.transpose(-2, -1)\n"
+                    "# or, fused and overflow-safe:\n"
+                    "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)"
+                    + _src(ev),
+               why="dividing by sqrt(d) after the matmul lets the unscaled logits overflow 65504 first; "
+                   "qk-norm (LayerNorm on q and k) bounds them for good")
+
+
+@fix_for(Cause.OVERFLOW)
+def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if e is None or op_base(e.op) not in ("exp", "expm1", "exp2", "sinh", "cosh"):
+        return None
+    return Fix(title="Use a numerically stable form instead of exp (softplus, logsumexp, log-sigmoid)",
+               code="# log(1 + exp(x))      -> torch.nn.functional.softplus(x)\n"
+                    "# log(sum(exp(x)))     -> torch.logsumexp(x, dim=-1)\n"
+                    "# exp(x) / sum(exp(x)) -> torch.softmax(x, dim=-1)\n"
+                    "y = torch.nn.functional.softplus(x)" + _src(ev),
+               why="these subtract the maximum (or switch to a linear branch) before exponentiating, so large "
+                   "inputs cannot overflow")
+
+
+@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: {"max_grad_norm": 1.0}
+         if ev.reached.record is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE)
+         and not ev.reached.snapshot is None else None)
+def _clip(f: Finding, ev: Evidence) -> Fix | None:
+    if f.cause is Cause.OVERFLOW and f.phase is Phase.FORWARD:
+        return None
+    scaler = ev.reached.scaler is not None
+    code = ("scaler.scale(loss).backward()\nscaler.unscale_(optimizer)  # clip the true gradients, not scaled ones\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\nscaler.step(optimizer)\n"
+            "scaler.update()") if scaler else \
+        ("loss.backward()\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\noptimizer.step()")
+    return Fix(title="Clip the global gradient norm", code=code,
+               why="bounds the size of one update whatever the gradient does")
+
+
+# -- lr -----------------------------------------------------------------------------------------
+@fix_for(Cause.LR_SPIKE)
+def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
+    lrs = [h.lr for h in ev.reached.history if h.lr is not None]
+    peak = max(lrs) if lrs else None
+    base = min(lrs) if lrs else None
+    hint = f"  # the LR reached {peak:.3g} (started at {base:.3g})" if peak and base else ""
+    return Fix(title="Fix the schedule: warm up to a lower peak learning rate",
+               code="warmup = 1000  # steps\n"
+                    "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+                    "    optimizer, lambda step: min(1.0, (step + 1) / warmup))  # a multiplier in [0, 1]"
+                    + hint,
+               why="an LR multiplier above 1 (or a peak LR too high for this model) makes |dw|/|w| explode; "
+                   "LambdaLR multiplies the base LR, so the lambda must stay <= 1")
+
+
+@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
+def _guard(f: Finding, ev: Evidence) -> Fix | None:
+    return Fix(title="Skip bad updates in the real run with nanprobe.Guard (writes a capsule to replay)",
+               code="guard = nanprobe.Guard(model, optimizer)\nfor step, batch in enumerate(loader):\n"
+                    "    with guard.step(step, batch):\n        loss = loss_fn(model, batch)\n"
+                    "        loss.backward()\n    guard.optimizer_step()  # skipped if loss/grads are non-finite",
+               why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
+
+
+# -- data ---------------------------------------------------------------------------------------
+@fix_for(Cause.DATA)
+def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
+    codes = {p.code for p in ev.data if p.level == "error"}
+    key = next((p.key for p in ev.data if p.level == "error"), "batch")
+    if "all_ignored" in codes or "empty" in codes:
+        return Fix(title="Guard the mean against batches with no valid labels",
+                   code="loss_sum = F.cross_entropy(logits.flatten(0, -2), labels.flatten(),\n"
+                        "                           ignore_index=-100, reduction=\"sum\")\n"
+                        "loss = loss_sum / (labels != -100).sum().clamp_min(1)",
+                   why="a mean over zero labels is 0/0 = NaN; a count clamped at 1 gives loss 0 instead")
+    if "masked_row" in codes:
+        return Fix(title="Never mask a whole attention row",
+                   code="# let fully padded rows attend to themselves (their output is discarded anyway)\n"
+                        "mask = mask | (~mask.any(-1, keepdim=True))",
+                   why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
+    return Fix(title=f"Clean the data: find and drop (or impute) the rows with bad values in {key}",
+               code=f"nanprobe scan-data {ev.notes[0] if ev.notes else 'ENTRY'}  # every bad value with step, key, sample\n"
+                    "# in the dataset / collate_fn:\n"
+                    "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # or drop the row",
+               why="a non-finite input reaches the loss and the gradient of every weight it touches")
+
+
+# -- log / sqrt / div / domain -------------------------------------------------------------------
+@fix_for(Cause.LOG, Cause.UNDERFLOW)
+def _log_space(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if e is None or f.cause is Cause.UNDERFLOW and op_base(e.op) not in ("log", "log2", "log10", "log1p"):
+        return None
+    return Fix(title="Compute the loss in log space instead of log(probability)",
+               code="# -log(sigmoid(z))   -> F.softplus(-z)  or  F.binary_cross_entropy_with_logits(z, y)\n"
+                    "# log(softmax(z))    -> F.log_softmax(z, dim=-1)  or  F.cross_entropy(z, y)\n"
+                    "# log(rate) (Poisson)-> predict log_rate and use F.poisson_nll_loss(log_rate, y, log_input=True)"
+                    + _src(ev),
+               why="fused log-space functions never form the probability that underflows to 0")
+
+
+@fix_for(Cause.LOG, Cause.UNDERFLOW)
+def _clamp_log(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if e is None or op_base(e.op) not in ("log", "log2", "log10") and not (e.node or "").startswith("Log"):
+        return None
+    eps = "torch.finfo(x.dtype).tiny" if f.cause is Cause.UNDERFLOW else "1e-12"
+    code = f"y = torch.log(x.clamp_min({eps}))" + _src(ev)
+    if e.masked:
+        code = ("# mask the INPUT, not the output: where() does not stop NaN gradients of the other branch\n"
+                "safe = torch.where(x > 0, x, torch.ones_like(x))\n"
+                "y = torch.where(x > 0, torch.log(safe), torch.zeros_like(x))" + _src(ev))
+    return Fix(title="Clamp the argument of log away from 0" if not e.masked else "Mask the input of log, not its "
+               "output", code=code,
+               why="log(0) = -inf and its gradient 1/x = inf; adding 1e-8 does nothing in fp16 (it rounds to 0)")
+
+
+@fix_for(Cause.SQRT)
+def _sqrt_eps(f: Finding, ev: Evidence) -> Fix | None:
+    return Fix(title="Keep sqrt away from 0: add eps inside (or use a norm with eps)",
+               code="dist = torch.sqrt(((a - b) ** 2).sum(-1) + 1e-12)\n"
+                    "# or: F.pairwise_distance(a, b, eps=1e-6); torch.linalg.vector_norm is safe at 0 forward\n"
+                    "# but not in backward" + _src(ev),
+               why="d/dx sqrt(x) = 1/(2 sqrt(x)) is infinite at x = 0, and 0 * inf = NaN in the chain rule")
+
+
+@fix_for(Cause.DIV, Cause.UNDERFLOW, verify=lambda f, ev: {"param_overrides": {"eps": 1e-8}}
+         if f.phase is Phase.UPDATE else None)
+def _div_eps(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if f.phase is Phase.UPDATE:
+        info = (e.update_info or {}) if e else {}
+        opt = info.get("optimizer", "Adam")
+        return Fix(title=f"Give {opt} a positive eps",
+                   code=f"optimizer = torch.optim.{opt}(model.parameters(), lr={info.get('lr', 1e-3):g}, eps=1e-8)",
+                   why="the update is m / (sqrt(v) + eps); parameters with zero gradient have m = v = 0, so eps = 0 "
+                       "makes it 0/0")
+    if f.cause is Cause.UNDERFLOW and e is not None and op_base(e.op) not in ("div", "reciprocal", "rsqrt"):
+        return None
+    return Fix(title="Add eps to the denominator (or use the built-in normalizers)",
+               code="y = x / (x.norm(dim=-1, keepdim=True) + 1e-6)\n"
+                    "# or: F.normalize(x, dim=-1, eps=1e-12); nn.LayerNorm / nn.RMSNorm(eps=1e-6)" + _src(ev),
+               why="a zero (or underflowed) denominator gives 0/0 = NaN or x/0 = inf")
+
+
+@fix_for(Cause.DIV)
+def _softmax_mask(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if e is None or op_base(e.op) != "_softmax":
+        return None
+    return Fix(title="Use a large finite negative number instead of -inf for masks, or never mask a whole row",
+               code="scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\n"
+                    "mask = mask | (~mask.any(-1, keepdim=True))  # rows with nothing to attend to",
+               why="softmax of an all -inf row is 0/0 = NaN")
+
+
+@fix_for(Cause.DOMAIN)
+def _domain_clamp(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    base = op_base(e.op) if e else ""
+    if base.startswith("pow"):
+        code = ("# a fractional power is only defined for x >= 0\n"
+                "y = x.clamp_min(0).pow(p)            # or: x.sign() * x.abs().pow(p)\n"
+                "# apply gamma correction before normalizing, on values in [0, 1]" + _src(ev))
+    else:
+        code = ("y = torch.acos(x.clamp(-1 + 1e-6, 1 - 1e-6))  # keep inside the domain; the gradient is infinite "
+                "at ±1" + _src(ev))
+    return Fix(title=f"Clamp the input of {base or 'the op'} into its domain", code=code,
+               why="outside its domain the op returns NaN, and at the boundary its gradient is infinite")
+
+
+# -- not reproduced -----------------------------------------------------------------------------
+@fix_for(Cause.NOT_REPRODUCED)
+def _determinism(f: Finding, ev: Evidence) -> Fix | None:
+    return Fix(title="Make the step reproducible and check the hardware",
+               code="torch.use_deterministic_algorithms(True)\ntorch.backends.cudnn.benchmark = False\n"
+                    "# and on the machine: nvidia-smi -q -d ECC,TEMPERATURE",
+               why="a step that is finite when replayed exactly points at nondeterminism or a hardware fault")
+
+
+def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, Any]], bool | None] | None,
+           *, verify_enabled: bool = True) -> list[Finding]:
+    """Fill each finding's fixes from the catalog, verifying the cheap ones by a rerun."""
+    cache: dict[str, bool | None] = {}
+    out = []
+    for f in findings:
+        fixes = []
+        for tpl in CATALOG[f.cause]:
+            fix = tpl.build(f, ev)
+            if fix is None:
+                continue
+            if verify_enabled and verify is not None and tpl.verify is not None:
+                overrides = tpl.verify(f, ev)
+                if overrides is not None:
+                    key = repr(sorted(overrides.items()))
+                    if key not in cache:
+                        cache[key] = verify(overrides)
+                    result = cache[key]
+                    note = ", ".join(f"{k}={v.value if hasattr(v, 'value') else v}" for k, v in overrides.items())
+                    fix = dataclasses.replace(fix, verified=result,
+                                              verify_note=f"rerun of step {ev.reached.step} with {note}: "
+                                                          + {True: "finite", False: "still non-finite",
+                                                             None: "could not run"}[result])
+            fixes.append(fix)
+        fixes.sort(key=lambda x: {True: 0, None: 1, False: 2}[x.verified])
+        out.append(dataclasses.replace(f, fixes=tuple(fixes)))
+    return out

@@ -1,0 +1,458 @@
+"""Find the op that PRODUCED the first non-finite value, in forward, backward and update.
+
+``OriginTracker`` is the public facade. It owns a private ``TorchDispatchMode`` that checks the
+floating outputs of every op with ``torch.aminmax`` (NaN propagates into min/max, Inf shows as
+±inf), a ``TorchFunctionMode`` that labels each autograd node with the module and user source
+line that created it during the forward pass, and global module hooks that keep the module
+stack and per-module range statistics. Nothing here prints; everything is collected and the
+hooks are removed on exit, errors included.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .errors import user_source_frame
+from .precision import Limits, limits
+from .report import ModuleRange, Phase
+
+aten = torch.ops.aten
+
+LOSS_FN = "(loss_fn)"   # ops outside any module of the model
+
+# Ops whose output cannot hold a newly born non-finite value, or holds garbage by design.
+_SKIP = {
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.detach.default,
+    aten.lift_fresh.default, aten._local_scalar_dense.default, aten.set_.source_Storage,
+    aten.zeros.default, aten.zeros_like.default, aten.ones_like.default, aten.ones.default,
+    aten.zero_.default, aten.aminmax.default, aten.isfinite.default, aten.isnan.default,
+    aten.isinf.default,
+}
+
+MAX_EVENTS = 12
+
+
+@dataclass(slots=True)
+class TensorStats:
+    """Numbers about one input of the origin op (for classification and evidence)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    absmax: float
+    min: float
+    max: float
+    min_nonzero: float | None
+    zeros: int
+    negatives: int
+    nonfinite: int
+    numel: int
+
+
+@dataclass(slots=True)
+class Event:
+    """One op that produced non-finite values from inputs without them."""
+
+    index: int                 # position among all checked ops of the step
+    phase: Phase
+    module: str | None
+    op: str
+    node: str | None           # autograd node executing (backward)
+    kind: str                  # nan | +inf | -inf | inf
+    source: str | None
+    code: str | None
+    out_dtype: str
+    out_nonfinite: int
+    out_numel: int
+    samples: tuple[int, ...]
+    inputs: list[TensorStats]
+    scalars: list[Any]
+    occurrence: int            # k-th call of this op in this module and phase
+    parameter: str | None = None
+    update_info: dict[str, Any] | None = None
+    masked: bool = False       # set later when the step's loss stayed finite
+
+
+@dataclass(slots=True)
+class Probe:
+    """What to record about one specific op call in a reference rerun."""
+
+    phase: Phase
+    module: str | None
+    op: str
+    occurrence: int
+    node: str | None = None
+    inputs: list[TensorStats] | None = None
+    out_absmax: float | None = None
+    found: bool = False
+
+
+@dataclass(slots=True)
+class _ModuleStat:
+    name: str
+    order: int
+    op_index: int
+    dtype: str
+    stats: torch.Tensor        # [absmax, min_nonzero, zero_frac, over_frac, under_frac, nonfinite]
+
+
+@dataclass(slots=True)
+class Trace:
+    events: list[Event] = field(default_factory=list)
+    ranges: list[ModuleRange] = field(default_factory=list)
+    range_op_index: list[int] = field(default_factory=list)
+    ops_checked: int = 0
+    probe: Probe | None = None
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
+
+
+def _kinds(tensors: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
+    """(has_nan, has_posinf, has_neginf) per tensor, with one device sync."""
+    if not tensors:
+        return []
+    mins, maxs = [], []
+    for t in tensors:
+        mn, mx = torch.aminmax(t.detach())
+        mins.append(mn.float())
+        maxs.append(mx.float())
+    values = torch.stack(mins + maxs).tolist()
+    n = len(tensors)
+    out = []
+    for i in range(n):
+        mn, mx = values[i], values[n + i]
+        nan = math.isnan(mn) or math.isnan(mx)
+        out.append((nan, mx == math.inf, mn == -math.inf))
+    return out
+
+
+def _tensor_stats(t: torch.Tensor) -> TensorStats:
+    x = t.detach().float()
+    finite = torch.isfinite(x)
+    fx = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    ax = fx.abs()
+    nz = torch.where(ax > 0, ax, torch.full((), math.inf, device=x.device))
+    row = torch.stack([ax.max(), fx.min(), fx.max(), nz.min(), (x == 0).sum().float(), (x < 0).sum().float(),
+                       (~finite).sum().float()]).tolist()
+    return TensorStats(dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape), absmax=row[0], min=row[1],
+                       max=row[2], min_nonzero=None if math.isinf(row[3]) else row[3], zeros=int(row[4]),
+                       negatives=int(row[5]), nonfinite=int(row[6]), numel=t.numel())
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """Tensors an in-place or out= op writes to (checked before the op overwrites them)."""
+    out = []
+    schema = func._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        out.extend(_floats(value))
+    return out
+
+
+class _OriginMode(TorchDispatchMode):
+    def __init__(self, tracker: OriginTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracker
+        if not tr.active or func in _SKIP or func.is_view:
+            return func(*args, **kwargs)
+        mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
+        pre = _kinds(mutated) if mutated else None
+        out = func(*args, **kwargs)
+        tr._check(func, args, kwargs, out, mutated, pre)
+        return out
+
+
+class _NodeLabeler(TorchFunctionMode):
+    """Labels every autograd node created in the forward pass with its module and source line."""
+
+    def __init__(self, tracker: OriginTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tr = self.tracker
+        if tr.phase is Phase.FORWARD and torch.is_grad_enabled():
+            labels = tr.node_labels
+            leaves = out if isinstance(out, (tuple, list)) else (out,)
+            for t in leaves:
+                node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+                if node is not None and node not in labels:
+                    file, line, code = user_source_frame()
+                    labels[node] = (tr.current_module(), f"{file}:{line}" if file else None, code)
+        return out
+
+
+class OriginTracker:
+    """Instrument one training step; read ``trace`` afterwards.
+
+    Use as a context manager around the step and call ``set_phase`` at the boundaries
+    (the step function in ``rerun`` does this).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                 low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
+                 ranges: bool = True):
+        self.model = model
+        self.optimizer = optimizer
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.limits: Limits = limits(low_dtype or torch.float16)
+        self.batch_size = batch_size
+        self.trace = Trace(probe=probe)
+        self.phase: Phase = Phase.FORWARD
+        self.active = False
+        self.stack: list[str] = []
+        self.node_labels: dict[Any, tuple[str, str | None, str | None]] = {}
+        self._want_ranges = ranges
+        self._module_stats: list[_ModuleStat] = []
+        self._occurrences: dict[tuple, int] = {}
+        self._storage_names: dict[int, tuple[str, str]] = {}
+        self._handles: list[Any] = []
+        self._modes: list[Any] = []
+
+    # -- context -------------------------------------------------------------------------
+    def __enter__(self) -> OriginTracker:
+        mm = torch.nn.modules.module
+        self._handles = [mm.register_module_forward_pre_hook(self._pre_hook),
+                         mm.register_module_forward_hook(self._post_hook, always_call=True)]
+        self._modes = [_NodeLabeler(self), _OriginMode(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._modes, self._handles = [], []
+        self._finish_ranges()
+
+    def set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        if phase is Phase.UPDATE and self.optimizer is not None:
+            self._index_optimizer()
+
+    # -- module tracking -----------------------------------------------------------------
+    def current_module(self) -> str:
+        return self.stack[-1] if self.stack else LOSS_FN
+
+    def _pre_hook(self, module, args):
+        name = self.names.get(id(module))
+        if name is not None and self.phase is Phase.FORWARD:
+            self.stack.append(name)
+
+    def _post_hook(self, module, args, output):
+        name = self.names.get(id(module))
+        if name is None or self.phase is not Phase.FORWARD:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        if self._want_ranges and self.active:
+            outs = _floats(output)
+            if outs:
+                self._record_range(name, outs[0])
+
+    def _record_range(self, name: str, t: torch.Tensor) -> None:
+        self.active = False  # our own reductions are not the user's ops
+        try:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                x = t.detach()
+                a = x.abs().float()
+                finite = torch.isfinite(a)
+                inf = torch.full((), math.inf, device=a.device)
+                zero = (a == 0)
+                stats = torch.stack([
+                    torch.where(finite, a, torch.zeros((), device=a.device)).max(),
+                    torch.where(zero, inf, a).min(),
+                    zero.float().mean(),
+                    (finite & (a > self.limits.max)).float().mean(),
+                    (~zero & (a < self.limits.tiny)).float().mean(),
+                    (~finite).float().sum(),
+                ])
+            self._module_stats.append(_ModuleStat(name=name, order=len(self._module_stats),
+                                                  op_index=self.trace.ops_checked,
+                                                  dtype=str(t.dtype).replace("torch.", ""), stats=stats))
+        finally:
+            self.active = True
+
+    def _finish_ranges(self) -> None:
+        if not self._module_stats:
+            return
+        rows = torch.stack([m.stats.cpu() for m in self._module_stats]).tolist()
+        for m, row in zip(self._module_stats, rows):
+            self.trace.ranges.append(ModuleRange(
+                module=m.name, dtype=m.dtype, absmax=row[0], min_nonzero=None if math.isinf(row[1]) else row[1],
+                zero_frac=row[2], over_frac=row[3], under_frac=row[4], finite=row[5] == 0))
+            self.trace.range_op_index.append(m.op_index)
+        self._module_stats = []
+
+    # -- update phase --------------------------------------------------------------------
+    def _index_optimizer(self) -> None:
+        names: dict[int, tuple[str, str]] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                pname = self.param_names.get(id(p), "?")
+                names[p.untyped_storage().data_ptr()] = (pname, "param")
+                if p.grad is not None:
+                    names[p.grad.untyped_storage().data_ptr()] = (pname, "grad")
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:
+                        names[value.untyped_storage().data_ptr()] = (pname, key)
+        self._storage_names = names
+
+    def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
+        for t in tensors:
+            hit = self._storage_names.get(t.untyped_storage().data_ptr())
+            if hit is None:
+                continue
+            pname, role = hit
+            info: dict[str, Any] = {"parameter": pname, "role": role}
+            params = dict(self.model.named_parameters())
+            p = params.get(pname)
+            if p is not None and self.optimizer is not None:
+                for group in self.optimizer.param_groups:
+                    if any(q is p for q in group["params"]):
+                        info["lr"] = _scalar(group.get("lr"))
+                        if "eps" in group:
+                            info["eps"] = _scalar(group["eps"])
+                        if "weight_decay" in group:
+                            info["weight_decay"] = _scalar(group["weight_decay"])
+                        break
+                state = self.optimizer.state.get(p, {})
+                info["optimizer"] = type(self.optimizer).__name__
+                for key in ("exp_avg_sq", "square_avg", "sum", "exp_avg"):
+                    v = state.get(key)
+                    if isinstance(v, torch.Tensor) and v.numel():
+                        vv = v.detach().float()
+                        info[f"{key}_min"] = vv.min().item()
+                        info[f"{key}_zeros"] = int((vv == 0).sum().item())
+                        info[f"{key}_numel"] = v.numel()
+            return pname, info
+        return None, None
+
+    # -- the check -----------------------------------------------------------------------
+    def _check(self, func, args, kwargs, out, mutated, pre) -> None:
+        outs = _floats(out)
+        if not outs:
+            return
+        self.active = False
+        try:
+            with torch._C.DisableTorchFunction():
+                self._check_outputs(func, args, kwargs, outs, mutated, pre)
+        finally:
+            self.active = True
+
+    def _check_outputs(self, func, args, kwargs, outs, mutated, pre) -> None:
+        trace = self.trace
+        trace.ops_checked += 1
+        module = self._module_for_op()
+        op = str(func)
+        node_name = self._node_name()
+        key = (self.phase, module, op, node_name)
+        occ = self._occurrences.get(key, 0)
+        self._occurrences[key] = occ + 1
+        probe = trace.probe
+        if probe is not None and not probe.found and probe.phase is self.phase and probe.module == module \
+                and probe.op == op and probe.occurrence == occ and (probe.node is None or probe.node == node_name):
+            probe.found = True
+            probe.inputs = [_tensor_stats(t) for t in _floats((args, kwargs))]
+            probe.out_absmax = max(_tensor_stats(t).absmax for t in outs)
+        if len(trace.events) >= MAX_EVENTS:
+            return
+        out_kinds = _kinds(outs)
+        if not any(any(k) for k in out_kinds):
+            return
+        inputs = [t for t in _floats((args, kwargs)) if not any(t is m for m in mutated)]
+        in_kinds = _kinds(inputs) + (pre or [])
+        scalars = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        in_nan = any(k[0] for k in in_kinds) or any(isinstance(s, float) and math.isnan(s) for s in scalars)
+        in_inf = any(k[1] or k[2] for k in in_kinds) or any(isinstance(s, float) and math.isinf(s) for s in scalars)
+        out_nan = any(k[0] for k in out_kinds)
+        out_pos = any(k[1] for k in out_kinds)
+        out_neg = any(k[2] for k in out_kinds)
+        born_nan = out_nan and not in_nan
+        born_inf = (out_pos or out_neg) and not (in_inf or in_nan)
+        if not (born_nan or born_inf):
+            return
+        kind = "nan" if born_nan else ("inf" if out_pos and out_neg else ("+inf" if out_pos else "-inf"))
+        bad_out = next(t for t, k in zip(outs, out_kinds) if any(k))
+        nonfinite = int((~torch.isfinite(bad_out)).sum().item())
+        samples: tuple[int, ...] = ()
+        if self.phase is Phase.FORWARD and self.batch_size and bad_out.dim() >= 1 \
+                and bad_out.shape[0] == self.batch_size:
+            rows = (~torch.isfinite(bad_out.detach())).reshape(bad_out.shape[0], -1).any(1)
+            samples = tuple(int(i) for i in rows.nonzero().flatten()[:8].tolist())
+        source = code = None
+        parameter = update_info = None
+        if self.phase is Phase.FORWARD:
+            file, line, code = user_source_frame()
+            source = f"{file}:{line}" if file else None
+        elif self.phase is Phase.BACKWARD:
+            label = self._node_label()
+            if label is not None:
+                source, code = label[1], label[2]
+        elif self.phase is Phase.UPDATE:
+            parameter, update_info = self._update_context(mutated + outs + inputs)
+            if parameter is not None:
+                module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
+        trace.events.append(Event(
+            index=trace.ops_checked, phase=self.phase, module=module, op=op, node=node_name, kind=kind,
+            source=source, code=code, out_dtype=str(bad_out.dtype).replace("torch.", ""),
+            out_nonfinite=nonfinite, out_numel=bad_out.numel(), samples=samples,
+            inputs=[_tensor_stats(t) for t in inputs + mutated],
+            scalars=[_scalar(s) for s in scalars[:6]], occurrence=occ,
+            parameter=parameter, update_info=update_info))
+
+    def _node_name(self) -> str | None:
+        if self.phase is not Phase.BACKWARD:
+            return None
+        node = torch._C._current_autograd_node()
+        return node.name() if node is not None else None
+
+    def _node_label(self):
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        return self.node_labels.get(node)
+
+    def _module_for_op(self) -> str | None:
+        if self.phase is Phase.FORWARD:
+            return self.current_module()
+        if self.phase is Phase.BACKWARD:
+            label = self._node_label()
+            if label is not None:
+                return label[0]
+            node = torch._C._current_autograd_node()
+            if node is not None and node.name() == "torch::autograd::AccumulateGrad":
+                var = getattr(node, "variable", None)
+                pname = self.param_names.get(id(var)) if var is not None else None
+                if pname:
+                    return pname.rsplit(".", 1)[0] if "." in pname else ""
+            return None
+        return None
+
+
+def _scalar(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else None
+    return x

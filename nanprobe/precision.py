@@ -1,0 +1,94 @@
+"""Precision enum, autocast/GradScaler contexts and dtype limits."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Precision(str, Enum):
+    FP64 = "fp64"
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
+                "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+    @property
+    def autocast(self) -> bool:
+        """Whether this precision runs under autocast (the model itself stays fp32)."""
+        return self in (Precision.BF16, Precision.FP16)
+
+    @property
+    def low(self) -> bool:
+        return self.autocast
+
+
+def parse_precision(value: str | Precision | None, default: Precision = Precision.FP32) -> Precision:
+    if value is None:
+        return default
+    if isinstance(value, Precision):
+        return value
+    aliases = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+               "float64": "fp64", "double": "fp64", "32": "fp32", "16": "fp16"}
+    value = aliases.get(str(value).lower(), str(value).lower())
+    return Precision(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max: float
+    tiny: float       # smallest normal
+    subnormal: float  # smallest positive subnormal
+
+
+def limits(dtype: torch.dtype) -> Limits:
+    info = torch.finfo(dtype)
+    return Limits(max=float(info.max), tiny=float(info.tiny), subnormal=float(info.smallest_normal) * float(info.eps))
+
+
+FP16 = limits(torch.float16)
+BF16 = limits(torch.bfloat16)
+
+
+def autocast_context(precision: Precision, device_type: str):
+    if precision.autocast:
+        return torch.autocast(device_type=device_type, dtype=precision.dtype)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def numeric_mode(precision: Precision, device_type: str):
+    """TF32 on/off for the duration; restores the previous settings on exit, errors too."""
+    prev_matmul = torch.backends.cuda.matmul.allow_tf32
+    prev_cudnn = torch.backends.cudnn.allow_tf32
+    try:
+        if device_type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = precision is Precision.TF32
+            torch.backends.cudnn.allow_tf32 = precision is Precision.TF32
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_matmul
+        torch.backends.cudnn.allow_tf32 = prev_cudnn
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return device.type
