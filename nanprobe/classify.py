@@ -218,8 +218,10 @@ def _lr_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
 
 @rule
 def lr_rule(ev: Evidence) -> list[Finding]:
-    lines, module, strength = _lr_evidence(ev)
     e = ev.origin
+    if e is not None and e.phase is Phase.UPDATE and family_of(e) == "div":
+        return []  # a division in the optimizer (eps = 0), not a step size problem
+    lines, module, strength = _lr_evidence(ev)
     if ev.reached.status is Status.SPIKE and not strength:
         strength = 0.55
         lines.insert(0, ev.reached.reason or "loss spike")

@@ -35,6 +35,9 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="YAML overri
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Without --at: replay at most this many "
                                                                         "steps (default: replay.max_steps).")]
+PolicyOpt = Annotated[str, typer.Option("--autocast-policy",
+                                        help="Autocast op list: 'native' (the device's own) or 'cuda' (CUDA's "
+                                             "float32 list emulated on CPU, for runs trained on a GPU).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every finding's fixes and the history.")]
 
 _debug = False
@@ -109,15 +112,18 @@ def progress_printer(enabled: bool):
 @app.command("run")
 @handles_errors
 def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, json_out: JsonOpt = None,
-            config: ConfigOpt = None, max_steps: MaxStepsOpt = None, verbose: VerboseOpt = False,
-            debug: DebugOpt = False) -> None:
+            config: ConfigOpt = None, max_steps: MaxStepsOpt = None, autocast_policy: PolicyOpt = "native",
+            verbose: VerboseOpt = False, debug: DebugOpt = False) -> None:
     """Reach the step (replay from step 0 or load_state), rerun it instrumented, explain it, suggest fixes."""
     from .diagnose import diagnose  # torch is imported lazily so --help stays fast
     _check_precision(precision)
+    if autocast_policy not in ("native", "cuda"):
+        raise UsageError(f"unknown autocast policy {autocast_policy!r}", "--autocast-policy", "Use native or cuda")
     cfg = config_from(config)
     progress = progress_printer(json_out != "-" and sys.stderr.isatty())
     try:
-        report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps, on_progress=progress)
+        report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps, on_progress=progress,
+                          policy=autocast_policy)
     finally:
         if progress:
             progress.stop()

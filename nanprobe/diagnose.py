@@ -21,9 +21,11 @@ from .rerun import StepTrace, run_step
 from .target import Target
 
 
-def autocast_policy(device: torch.device, precision: Precision) -> str | None:
+def autocast_policy(device: torch.device, precision: Precision, policy: str = "native") -> str | None:
     if not precision.autocast:
         return None
+    if policy == "cuda" and device.type == "cpu":
+        return f"CUDA autocast op list emulated on cpu ({precision.value})"
     return f"native {device.type} autocast ({precision.value})"
 
 
@@ -51,7 +53,8 @@ def _result(t: StepTrace) -> PrecisionResult:
 
 def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | Precision | None = None,
                     config: Config | None = None, max_steps: int | None = None, reached: Reached | None = None,
-                    command: str = "run", on_progress: Callable[[str], None] | None = None) -> Report:
+                    command: str = "run", on_progress: Callable[[str], None] | None = None,
+                    policy: str = "native") -> Report:
     """Diagnose one step of an already loaded target (or of a given ``reached`` state, e.g. a capsule)."""
     cfg = config or load_config()
     target: Target = loaded.target
@@ -63,14 +66,14 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         progress("replaying")
         try:
             reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=where, max_steps=max_steps,
-                            on_progress=lambda s: progress(f"replayed step {s}"))
+                            on_progress=lambda s: progress(f"replayed step {s}"), policy=policy)
         except NoBadStep as done:
             return Report(command=command, entry=loaded.entry, step=None, status=Status.FINITE,
                           device=describe_device(device), precision=prec.value, history=tuple(done.history[-cfg.replay.history:]),
                           notes=(f"no non-finite value or spike in {done.steps} steps"
                                  + (f" (the --max-steps limit {done.limit})" if done.steps >= done.limit else
                                     " (the data ran out)"),),
-                          autocast_policy=autocast_policy(device, prec), reached_by="replay from step 0")
+                          autocast_policy=autocast_policy(device, prec, policy), reached_by="replay from step 0")
     prec = reached.precision
     progress(f"rerunning step {reached.step} instrumented ({prec.value})")
     main = run_step(target, reached, prec, where=where)
@@ -101,6 +104,8 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     findings = classify(ev)
 
     def verify(overrides: dict[str, Any]) -> bool | None:
+        if reached.status is Status.SPIKE:
+            return None  # a finite spike is not undone by changing this one step
         p = overrides.pop("precision", prec)
         if p.value in traces and not overrides:
             t = traces[p.value]
@@ -125,7 +130,8 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
                   context=context, history=tuple(reached.history[-cfg.replay.history:]) + (
                       (reached.record,) if reached.record else ()),
-                  notes=tuple(notes), autocast_policy=autocast_policy(device, prec), reached_by=reached.reached_by,
+                  notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),
+                  reached_by=reached.reached_by,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})
 
@@ -163,11 +169,12 @@ def _event_json(e: Event) -> dict[str, Any]:
 
 
 def diagnose(entry: str, *, at: int | None = None, precision: str | None = None, config: Config | None = None,
-             max_steps: int | None = None, on_progress: Callable[[str], None] | None = None) -> Report:
+             max_steps: int | None = None, on_progress: Callable[[str], None] | None = None,
+             policy: str = "native") -> Report:
     """Load ENTRY, reach step ``at`` (or the first bad step), rerun it instrumented and explain it."""
     loaded = load_target(entry)
     return diagnose_target(loaded, at=at, precision=precision, config=config, max_steps=max_steps,
-                           on_progress=on_progress)
+                           on_progress=on_progress, policy=policy)
 
 
 __all__ = ["diagnose", "diagnose_target", "origin_of"]

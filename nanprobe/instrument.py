@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .batch import iter_tensors
 from .errors import user_source_frame
 from .precision import Limits, limits
 from .report import ModuleRange, Phase
@@ -268,7 +269,7 @@ class OriginTracker:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
         if self._want_ranges and self.active:
-            outs = _floats(output)
+            outs = [t for _, t in iter_tensors(output) if t.is_floating_point() and t.numel() > 0]
             if outs:
                 self._record_range(name, outs[0])
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .batch import iter_tensors
-from .precision import Precision, autocast_context, device_of, numeric_mode
+from .precision import Precision, autocast_context, device_of, numeric_mode, policy_context
 from .report import Phase
 from .target import Target, call_user, check_loss
 
@@ -45,10 +45,12 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def train_step(target: Target, batch: Any, precision: Precision, scaler: torch.amp.GradScaler | None, *,
                where: str, set_phase: Callable[[Phase], None] | None = None,
-               max_grad_norm: float | None = None, lr_scale: float | None = None) -> StepOutcome:
+               max_grad_norm: float | None = None, lr_scale: float | None = None,
+               policy: str = "native") -> StepOutcome:
     """One step of the canonical loop: zero_grad, autocast forward+loss, backward, clip, step, schedule.
 
-    ``max_grad_norm`` and ``lr_scale`` override the target's (used to verify fixes).
+    ``max_grad_norm`` and ``lr_scale`` override the target's (used to verify fixes); ``policy``
+    "cuda" emulates CUDA's autocast op list on CPU.
     """
     model, opt = target.model, target.optimizer
     device_type = device_of(model).type
@@ -60,7 +62,8 @@ def train_step(target: Target, batch: Any, precision: Precision, scaler: torch.a
     else:
         model.zero_grad(set_to_none=True)
     phase(Phase.FORWARD)
-    with numeric_mode(precision, device_type), autocast_context(precision, device_type):
+    with numeric_mode(precision, device_type), policy_context(policy, precision, device_type), \
+            autocast_context(precision, device_type):
         loss = call_user("loss_fn(model, batch)", target.loss_fn, model, batch)
     loss = check_loss(loss, where)
     phase(Phase.BACKWARD)

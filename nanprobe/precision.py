@@ -92,3 +92,51 @@ def describe_device(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return device.type
+
+
+# -- CUDA autocast policy on CPU -------------------------------------------------------------------
+# CUDA autocast runs these ops in float32; CPU autocast leaves them in fp16/bf16 when their inputs
+# are low precision. Replaying a CUDA run on CPU registers Python kernels at the AutocastCPU key
+# that upcast their low-precision inputs, as CUDA does. (aten op overload names.)
+CUDA_FP32_OPS = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "group_norm", "cosine_similarity", "dist", "pdist", "renorm", "logsumexp",
+    "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "sum", "sum.dim_IntList", "norm.Scalar", "norm.ScalarOpt_dim",
+)
+POLICIES = ("native", "cuda")
+
+
+def _overload(name: str):
+    base, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+@contextlib.contextmanager
+def emulate_cuda_autocast():
+    """Within this context, CPU autocast follows CUDA's float32 op list."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    low = (torch.float16, torch.bfloat16)
+
+    def make(op):
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(keys):
+                cast = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype in low else a  # noqa: E731
+                return op(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+        return kernel
+
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - scoped registration, destroyed below
+    try:
+        for name in CUDA_FP32_OPS:
+            lib.impl(name, make(_overload(name)), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
+def policy_context(policy: str, precision: Precision, device_type: str):
+    """The autocast op policy for a rerun: native, or CUDA's emulated on CPU."""
+    if policy == "cuda" and precision.autocast and device_type == "cpu":
+        return emulate_cuda_autocast()
+    return contextlib.nullcontext()

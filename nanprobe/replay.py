@@ -41,6 +41,7 @@ class Reached:
     update_ratios: dict[str, float] = field(default_factory=dict)  # per parameter, the step before
     reached_by: str = "replay from step 0"
     notes: list[str] = field(default_factory=list)
+    policy: str = "native"             # autocast op policy: native, or "cuda" emulated on CPU
 
 
 def batch_source(target: Target) -> Callable[[int], Any]:
@@ -132,7 +133,8 @@ def _reason(record: StepRecord, params_finite: bool) -> str | None:
 
 
 def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayConfig, where: str,
-          max_steps: int | None = None, on_progress: Callable[[int], None] | None = None) -> Reached:
+          max_steps: int | None = None, on_progress: Callable[[int], None] | None = None,
+          policy: str = "native") -> Reached:
     """Replay to step ``at`` (or to the first bad step) and return the state before it."""
     if at is not None and at < 0:
         raise UsageError(f"--at {at} is negative", "--at", "Give a step number >= 0")
@@ -167,7 +169,7 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
             raise NoBadStep(step, list(history), limit) from None
         pristine = clone_batch(batch)
         snap = Snapshot.take(target, scaler)
-        outcome = train_step(target, batch, precision, scaler, where=where)
+        outcome = train_step(target, batch, precision, scaler, where=where, policy=policy)
         record, step_ratios, params_finite = measure(target, snap, outcome, step)
         reason = _reason(record, params_finite)
         status = Status.NONFINITE if reason else Status.FINITE
@@ -191,7 +193,7 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
                 notes.append(f"step {step} already failed before --at {at} ({reason}); diagnosing step {step}.")
             return Reached(step=step, batch=pristine, snapshot=snap, precision=precision, scaler=scaler,
                            status=status, reason=reason, record=record, history=list(history),
-                           update_ratios=ratios, reached_by=reached_by, notes=notes)
+                           update_ratios=ratios, reached_by=reached_by, notes=notes, policy=policy)
         spikes.add(record.loss, record.grad_norm)
         history.append(record)
         ratios = step_ratios

@@ -113,7 +113,8 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
                 stack.enter_context(tracker)
             outcome: StepOutcome = train_step(target, batch, precision, scaler, where=where,
                                               set_phase=_phases(tracker, observe),
-                                              max_grad_norm=max_grad_norm, lr_scale=lr_scale)
+                                              max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+                                              policy=reached.policy)
         record, ratios, _ = measure(target, snapshot, outcome, reached.step)
         return StepTrace(precision=precision, record=record, trace=tracker.trace if tracker else None,
                          update_ratios=ratios)

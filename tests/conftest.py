@@ -1,0 +1,52 @@
+"""Shared test fixtures: every test starts from the same global torch/Python state."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+os.environ.setdefault("COLUMNS", "120")
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    path = list(sys.path)
+    modules = set(sys.modules)
+    dtype = torch.get_default_dtype()
+    anomaly = torch.is_anomaly_enabled()
+    grad = torch.is_grad_enabled()
+    threads = torch.get_num_threads()
+    cwd = os.getcwd()
+    rng = torch.get_rng_state()
+    py_rng = random.getstate()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        if name.startswith("nanprobe_entry_") or name.startswith("mypkg"):
+            del sys.modules[name]
+    torch.set_default_dtype(dtype)
+    torch.set_anomaly_enabled(anomaly)
+    torch.set_grad_enabled(grad)
+    torch.set_num_threads(threads)
+    torch.set_rng_state(rng)
+    random.setstate(py_rng)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    os.chdir(cwd)
+
+
+def example(name: str) -> str:
+    return str(EXAMPLES / name)
+
+
+def asset(name: str) -> str:
+    return str(ASSETS / "entries" / name)
