@@ -1,3 +1,20 @@
 """nanprobe: find where and why a PyTorch training step produced NaN/Inf, and what to change."""
 
 __version__ = "0.1.0"
+
+from .diagnose import diagnose  # noqa: E402
+from .report import Cause, Finding, Fix, Origin, Phase, Report, Status  # noqa: E402
+from .target import Target  # noqa: E402
+
+__all__ = [
+    "Cause",
+    "Finding",
+    "Fix",
+    "Origin",
+    "Phase",
+    "Report",
+    "Status",
+    "Target",
+    "__version__",
+    "diagnose",
+]

@@ -109,10 +109,19 @@ def _library_dirs() -> tuple[str, ...]:
     return _LIBRARY_DIRS
 
 
+_LIBRARY_CACHE: dict[str, bool] = {}
+
+
 def _is_library_file(filename: str) -> bool:
+    known = _LIBRARY_CACHE.get(filename)
+    if known is not None:
+        return known
     if filename.startswith("<"):
-        return filename.startswith("<frozen") or filename == "<string>"
-    return os.path.abspath(filename).startswith(_library_dirs())
+        known = filename.startswith("<frozen") or filename == "<string>"
+    else:
+        known = os.path.abspath(filename).startswith(_library_dirs())
+    _LIBRARY_CACHE[filename] = known
+    return known
 
 
 def user_frame(exc: BaseException) -> tuple[str | None, int | None]:

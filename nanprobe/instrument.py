@@ -39,6 +39,7 @@ _SKIP = {
 }
 
 MAX_EVENTS = 12
+_OP_NAMES: dict[Any, str] = {}
 
 
 @dataclass(slots=True)
@@ -118,6 +119,15 @@ def _floats(tree: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
 
 
+def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """One aminmax per tensor and one sync: max - min is finite only if every value is."""
+    if len(tensors) == 1:
+        mn, mx = torch.aminmax(tensors[0].detach())
+        return not math.isfinite((mx.float() - mn.float()).item())
+    spans = [(mx.float() - mn.float()) for mn, mx in (torch.aminmax(t.detach()) for t in tensors)]
+    return not all(math.isfinite(v) for v in torch.stack(spans).tolist())
+
+
 def _kinds(tensors: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
     """(has_nan, has_posinf, has_neginf) per tensor, with one device sync."""
     if not tensors:
@@ -173,7 +183,10 @@ class _OriginMode(TorchDispatchMode):
         if not tr.active or func in _SKIP or func.is_view:
             return func(*args, **kwargs)
         mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
-        pre = _kinds(mutated) if mutated else None
+        pre = None
+        if mutated:
+            with torch._C.DisableTorchFunction():
+                pre = _kinds(mutated)
         out = func(*args, **kwargs)
         tr._check(func, args, kwargs, out, mutated, pre)
         return out
@@ -353,7 +366,10 @@ class OriginTracker:
 
     # -- the check -----------------------------------------------------------------------
     def _check(self, func, args, kwargs, out, mutated, pre) -> None:
-        outs = _floats(out)
+        if isinstance(out, torch.Tensor):
+            outs = [out] if out.is_floating_point() and out.numel() > 0 else []
+        else:
+            outs = _floats(out)
         if not outs:
             return
         self.active = False
@@ -367,7 +383,9 @@ class OriginTracker:
         trace = self.trace
         trace.ops_checked += 1
         module = self._module_for_op()
-        op = str(func)
+        op = _OP_NAMES.get(func)
+        if op is None:
+            op = _OP_NAMES[func] = str(func)
         node_name = self._node_name()
         key = (self.phase, module, op, node_name)
         occ = self._occurrences.get(key, 0)
@@ -378,11 +396,9 @@ class OriginTracker:
             probe.found = True
             probe.inputs = [_tensor_stats(t) for t in _floats((args, kwargs))]
             probe.out_absmax = max(_tensor_stats(t).absmax for t in outs)
-        if len(trace.events) >= MAX_EVENTS:
+        if len(trace.events) >= MAX_EVENTS or not _any_nonfinite(outs):
             return
         out_kinds = _kinds(outs)
-        if not any(any(k) for k in out_kinds):
-            return
         inputs = [t for t in _floats((args, kwargs)) if not any(t is m for m in mutated)]
         in_kinds = _kinds(inputs) + (pre or [])
         scalars = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (int, float)) and not isinstance(a, bool)]

@@ -183,12 +183,13 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
         else:
             skips = 0
         if reason is None:
-            spike = spikes.check(record.loss, record.grad_norm)
+            spike = spikes.check(record.loss, None if record.skipped else record.grad_norm)
             if spike:
                 reason, status = spike, Status.SPIKE
         if on_progress:
             on_progress(step)
         if reason is not None or step == at:
+            snap.restore(target, scaler)  # leave the objects in the state before the diagnosed step
             if at is not None and step < at:
                 notes.append(f"step {step} already failed before --at {at} ({reason}); diagnosing step {step}.")
             return Reached(step=step, batch=pristine, snapshot=snap, precision=precision, scaler=scaler,

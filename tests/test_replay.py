@@ -1,0 +1,176 @@
+"""Replay reaches the exact state the user's loop had before step N."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanprobe.config import load_config
+from nanprobe.errors import TargetError
+from nanprobe.precision import Precision
+from nanprobe.replay import NoBadStep, reach
+from nanprobe.report import Status
+from nanprobe.rerun import run_step
+from nanprobe.target import Target
+
+CFG = load_config().replay
+
+
+class Noisy(nn.Module):
+    """Dropout and BatchNorm: RNG and buffers must be replayed exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.drop(self.bn(self.lin(x))))
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = Noisy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(6, 4, generator=g), "y": torch.randn(6, 1, generator=g)} for _ in range(8)]
+    return Target(model=model, loss_fn=lambda m, b: F.mse_loss(m(b["x"]), b["y"]), batches=batches,
+                  optimizer=opt, scheduler=sched, max_grad_norm=1.0, **kw)
+
+
+def users_loop(target: Target, steps: int):
+    for step, batch in zip(range(steps), target.batches):
+        target.optimizer.zero_grad(set_to_none=True)
+        loss = target.loss_fn(target.model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.model.parameters(), target.max_grad_norm)
+        target.optimizer.step()
+        target.scheduler.step()
+
+
+def test_state_before_step_is_bitwise_the_users():
+    ref = make()
+    users_loop(ref, 5)
+    user_rng = torch.get_rng_state()
+    t = make()
+    reached = reach(t, at=5, precision=Precision.FP32, cfg=CFG, where="t")
+    reached.snapshot.restore(t, None)
+    for (k, a), (_, b) in zip(ref.model.state_dict().items(), t.model.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert t.scheduler.get_last_lr() == ref.scheduler.get_last_lr()
+    sa, sb = ref.optimizer.state_dict()["state"], t.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    assert torch.equal(torch.get_rng_state(), user_rng)
+    assert reached.step == 5 and len(reached.history) == 5
+
+
+def test_reruns_are_deterministic_and_leave_objects_unchanged():
+    t = make()
+    reached = reach(t, at=3, precision=Precision.FP32, cfg=CFG, where="t")
+    before = copy.deepcopy(t.model.state_dict())
+    a = run_step(t, reached, Precision.FP32, where="t", instrument=True)
+    b = run_step(t, reached, Precision.FP32, where="t", instrument=False)
+    assert a.record.loss == b.record.loss and a.record.grad_norm == b.record.grad_norm
+    assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_load_state_starts_from_the_users_checkpoint():
+    ckpt = {}
+    ref = make()
+    users_loop(ref, 4)
+    ckpt["model"] = copy.deepcopy(ref.model.state_dict())
+    ckpt["opt"] = copy.deepcopy(ref.optimizer.state_dict())
+    ckpt["sched"] = ref.scheduler.state_dict()
+    calls = []
+
+    def load_state(step):
+        calls.append(step)
+        t.model.load_state_dict(ckpt["model"])
+        t.optimizer.load_state_dict(ckpt["opt"])
+        t.scheduler.load_state_dict(ckpt["sched"])
+        return 4
+
+    t = make()
+    t.load_state = load_state
+    reached = reach(t, at=6, precision=Precision.FP32, cfg=CFG, where="t")
+    assert calls == [6]
+    assert reached.step == 6 and [h.step for h in reached.history] == [4, 5]
+    assert "load_state(6) -> step 4" in reached.reached_by
+
+
+def test_load_state_must_return_a_step_at_or_before():
+    t = make()
+    t.load_state = lambda step: step + 1
+    with pytest.raises(TargetError, match="load_state"):
+        reach(t, at=2, precision=Precision.FP32, cfg=CFG, where="t")
+
+
+def test_first_bad_step_and_earlier_failure_note():
+    t = make()
+    t.batches[4]["x"][0, 0] = float("nan")
+    reached = reach(t, at=None, precision=Precision.FP32, cfg=CFG, where="t")
+    assert reached.step == 4 and reached.status is Status.NONFINITE and "loss is nan" in reached.reason
+    t = make()
+    t.batches[4]["x"][0, 0] = float("nan")
+    reached = reach(t, at=6, precision=Precision.FP32, cfg=CFG, where="t")
+    assert reached.step == 4 and any("already failed before --at 6" in n for n in reached.notes)
+
+
+def test_healthy_replay_raises_no_bad_step():
+    with pytest.raises(NoBadStep) as info:
+        reach(make(), at=None, precision=Precision.FP32, cfg=CFG, where="t")
+    assert info.value.steps == 8
+
+
+def test_loss_spike_is_flagged():
+    t = make()
+    for b in t.batches[6:]:
+        b["y"] *= 1e4
+    reached = reach(t, at=None, precision=Precision.FP32, cfg=CFG, where="t")
+    assert reached.step == 6 and reached.status is Status.SPIKE and "loss spike" in reached.reason
+
+
+def test_gradscaler_early_skips_are_not_failures():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g) * 4, torch.randn(8, 1, generator=g) * 4) for _ in range(12)]
+    t = Target(model=model, loss_fn=lambda m, b: F.mse_loss(m(b[0]).float(), b[1]), batches=batches,
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-5), precision="fp16", grad_scaler=True)
+    # the initial scale 65536 makes early scaled backwards overflow fp16: GradScaler skips and backs off
+    reached = reach(t, at=11, precision=Precision.FP16, cfg=CFG, where="t")
+    skipped = [h.step for h in reached.history if h.skipped]
+    assert len(skipped) >= 2, "the scenario must include GradScaler skips"
+    assert reached.status is Status.FINITE and reached.reason is None
+
+
+def test_persistent_gradscaler_skips_are_a_failure():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g) * 30, torch.randn(8, 1, generator=g) * 30) for _ in range(12)]
+    t = Target(model=model, loss_fn=lambda m, b: F.mse_loss(m(b[0]).float(), b[1]), batches=batches,
+               optimizer=torch.optim.SGD(model.parameters(), lr=1e-5), precision="fp16", grad_scaler=True)
+    reached = reach(t, at=None, precision=Precision.FP16, cfg=CFG, where="t")
+    assert reached.status is Status.NONFINITE
+    assert f"skipped {CFG.max_scaler_skips + 1} steps in a row" in reached.reason
+
+
+def test_python_random_is_restored():
+    t = make()
+    reached = reach(t, at=2, precision=Precision.FP32, cfg=CFG, where="t")
+    random.random()
+    reached.snapshot.restore(t, None)
+    state = random.getstate()
+    reached.snapshot.restore(t, None)
+    assert random.getstate() == state
+    assert not math.isnan(reached.record.loss)
