@@ -83,7 +83,9 @@ def test_healthy_run_exits_0_and_json_to_stdout():
 
 
 def test_internal_error_exits_3(monkeypatch):
-    import nanprobe.diagnose as diagnose_mod
+    import importlib
+
+    diagnose_mod = importlib.import_module("nanprobe.diagnose")  # the module, not the exported function
 
     def boom(*a, **k):
         raise ZeroDivisionError("synthetic")
