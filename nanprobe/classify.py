@@ -97,7 +97,7 @@ class Evidence:
     others: dict[str, StepTrace]
     data: list[DataProblem]
     cfg: RunConfig
-    notes: list[str] = field(default_factory=list)
+    entry: str = ""
 
     @property
     def origin(self) -> Event | None:
@@ -197,8 +197,9 @@ def _lr_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
         s, r = max(big, key=lambda x: x[1])
         lines.append(f"update ratio |dw|/|w| reached {_g(r)} at step {s} (limit {cfg.update_ratio_limit:g})")
         strength = max(strength, 0.75) + (0.15 if strength else 0)
-    this_ratio = max(ev.main.update_ratios.values()) if ev.main.update_ratios else None
-    if this_ratio is not None and (not math.isfinite(this_ratio) or this_ratio > cfg.update_ratio_limit) \
+    this_ratio = ev.main.record.update_ratio if ev.main.record else None
+    if this_ratio is not None and (this_ratio > cfg.update_ratio_limit or
+                                   (not math.isfinite(this_ratio) and ev.origin is not None)) \
             and (ev.origin is None or ev.origin.phase is Phase.UPDATE):
         lines.append(f"this step's update ratio |dw|/|w| is {_g(this_ratio)}")
         strength = max(strength, 0.7)
@@ -209,10 +210,9 @@ def _lr_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     module = None
     source = ev.reached.update_ratios or ev.main.update_ratios
     if source:
-        finite = {k: v for k, v in source.items()}
-        pname = max(finite, key=lambda k: finite[k] if math.isfinite(finite[k]) else float("inf"))
+        pname = max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
-        lines.append(f"largest relative update: {pname} ({_g(finite[pname])})")
+        lines.append(f"largest relative update: {pname} ({_g(source[pname])})")
     return lines, module, strength
 
 
@@ -228,6 +228,8 @@ def lr_rule(ev: Evidence) -> list[Finding]:
     if not strength:
         return []
     conf = strength
+    if any(p.level == "error" for p in ev.data):
+        conf -= 0.4  # bad data explains the blow-up better
     if ev.reference_finite is False or (e is not None and not _is_low(e.out_dtype)):
         conf += 0.15  # not a precision problem: the reference diverges too
     if e is not None and e.phase is Phase.UPDATE and family_of(e) != "div":

@@ -100,7 +100,7 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         traces[name] = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True)
     ev = Evidence(reached=reached, main=main, reference=reference, probe=probe,
                   others={k: v for k, v in traces.items() if k not in (prec.value,)}, data=data, cfg=cfg.run,
-                  notes=[loaded.entry])
+                  entry=loaded.entry)
     findings = classify(ev)
 
     def verify(overrides: dict[str, Any]) -> bool | None:

@@ -136,21 +136,6 @@ def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
                    "inputs cannot overflow")
 
 
-@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: {"max_grad_norm": 1.0}
-         if ev.reached.record is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE)
-         and not ev.reached.snapshot is None else None)
-def _clip(f: Finding, ev: Evidence) -> Fix | None:
-    if f.cause is Cause.OVERFLOW and f.phase is Phase.FORWARD:
-        return None
-    scaler = ev.reached.scaler is not None
-    code = ("scaler.scale(loss).backward()\nscaler.unscale_(optimizer)  # clip the true gradients, not scaled ones\n"
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\nscaler.step(optimizer)\n"
-            "scaler.update()") if scaler else \
-        ("loss.backward()\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\noptimizer.step()")
-    return Fix(title="Clip the global gradient norm", code=code,
-               why="bounds the size of one update whatever the gradient does")
-
-
 # -- lr -----------------------------------------------------------------------------------------
 @fix_for(Cause.LR_SPIKE)
 def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
@@ -167,13 +152,19 @@ def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
                    "LambdaLR multiplies the base LR, so the lambda must stay <= 1")
 
 
-@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
-def _guard(f: Finding, ev: Evidence) -> Fix | None:
-    return Fix(title="Skip bad updates in the real run with nanprobe.Guard (writes a capsule to replay)",
-               code="guard = nanprobe.Guard(model, optimizer)\nfor step, batch in enumerate(loader):\n"
-                    "    with guard.step(step, batch):\n        loss = loss_fn(model, batch)\n"
-                    "        loss.backward()\n    guard.optimizer_step()  # skipped if loss/grads are non-finite",
-               why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
+@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: {"max_grad_norm": 1.0}
+         if ev.reached.record is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE)
+         and not ev.reached.snapshot is None else None)
+def _clip(f: Finding, ev: Evidence) -> Fix | None:
+    if f.cause is Cause.OVERFLOW and f.phase is Phase.FORWARD:
+        return None
+    scaler = ev.reached.scaler is not None
+    code = ("scaler.scale(loss).backward()\nscaler.unscale_(optimizer)  # clip the true gradients, not scaled ones\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\nscaler.step(optimizer)\n"
+            "scaler.update()") if scaler else \
+        ("loss.backward()\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\noptimizer.step()")
+    return Fix(title="Clip the global gradient norm", code=code,
+               why="bounds the size of one update whatever the gradient does")
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -193,7 +184,7 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                         "mask = mask | (~mask.any(-1, keepdim=True))",
                    why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
     return Fix(title=f"Clean the data: find and drop (or impute) the rows with bad values in {key}",
-               code=f"nanprobe scan-data {ev.notes[0] if ev.notes else 'ENTRY'}  # every bad value with step, key, sample\n"
+               code=f"nanprobe scan-data {ev.entry or 'ENTRY'}  # every bad value with step, key, sample\n"
                     "# in the dataset / collate_fn:\n"
                     "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # or drop the row",
                why="a non-finite input reaches the loss and the gradient of every weight it touches")
@@ -290,6 +281,15 @@ def _determinism(f: Finding, ev: Evidence) -> Fix | None:
                code="torch.use_deterministic_algorithms(True)\ntorch.backends.cudnn.benchmark = False\n"
                     "# and on the machine: nvidia-smi -q -d ECC,TEMPERATURE",
                why="a step that is finite when replayed exactly points at nondeterminism or a hardware fault")
+
+
+@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
+def _guard(f: Finding, ev: Evidence) -> Fix | None:
+    return Fix(title="Skip bad updates in the real run with nanprobe.Guard (writes a capsule to replay)",
+               code="guard = nanprobe.Guard(model, optimizer)\nfor step, batch in enumerate(loader):\n"
+                    "    with guard.step(step, batch):\n        loss = loss_fn(model, batch)\n"
+                    "        loss.backward()\n    guard.optimizer_step()  # skipped if loss/grads are non-finite",
+               why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
 
 
 def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, Any]], bool | None] | None,

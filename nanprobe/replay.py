@@ -110,12 +110,16 @@ def measure(target: Target, before: Snapshot, outcome: StepOutcome, step: int, *
     loss, gnorm = values[0], values[1] if outcome.grad_norm is not None else None
     ratios: dict[str, float] = {}
     params_finite = True
+    ratio = None
     if params and updates:
         after, delta, prev = values[2:2 + n], values[2 + n:2 + 2 * n], values[2 + 2 * n:2 + 3 * n]
         params_finite = all(math.isfinite(v) for v in after)
         for (name, _), d, w in zip(named, delta, prev):
             ratios[name] = d / w if w > 0 else (math.inf if d > 0 else 0.0)
-    ratio = max(ratios.values()) if ratios else None
+        # global |dw| / |w|: per-parameter ratios of near-zero tensors (fresh biases) are meaningless
+        total_w = math.sqrt(sum(w * w for w in prev))
+        total_d = math.sqrt(sum(d * d for d in delta))
+        ratio = total_d / total_w if total_w > 0 else (math.inf if total_d > 0 else 0.0)
     finite = math.isfinite(loss) and params_finite and (gnorm is None or math.isfinite(gnorm) or outcome.skipped)
     record = StepRecord(step=step, loss=loss, grad_norm=gnorm, lr=outcome.lr, update_ratio=ratio,
                         finite=finite, skipped=outcome.skipped, scale=outcome.scale)

@@ -150,7 +150,7 @@ class StepRecord:
     loss: float | None
     grad_norm: float | None
     lr: float | None
-    update_ratio: float | None   # max over parameters of |dw| / |w|
+    update_ratio: float | None   # global |dw| / |w| over all parameters
     finite: bool
     skipped: bool = False        # GradScaler skipped the update
     scale: float | None = None
