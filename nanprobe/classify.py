@@ -286,7 +286,9 @@ def origin_rule(ev: Evidence) -> list[Finding]:
                          f"in {ev.reference.precision.value} (smallest {_g(tiny)}; {e.out_dtype} flushes below "
                          f"{lim.subnormal:.2g})")
             findings.append(_finding(Cause.UNDERFLOW, 0.92, e, lines))
-            findings.append(_finding(Cause(kind), 0.6, e, lines))
+            findings.append(_finding(Cause(kind), 0.6, e, lines[:1] + [
+                f"secondary: {base or nbase} of the underflowed zero(s) gives {e.kind}; guarding the {kind} alone "
+                "hides the lost precision"]))
             return True
         return False
 

@@ -87,15 +87,12 @@ def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
     dev = _device(ev)
     if f.module and f.module != LOSS_FN:
         code = (f"# keep {f.module} in float32 while the rest runs in {ev.reached.precision.value}\n"
-                f"import functools, torch\n"
-                f"block = {_attr(f)}\n"
-                f"_forward = block.forward\n\n"
-                f"@functools.wraps(_forward)\n"
+                f"_forward = {_attr(f)}.forward\n"
                 f"def forward_fp32(*args, **kwargs):\n"
                 f'    with torch.autocast("{dev}", enabled=False):\n'
-                f"        cast = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t\n"
-                f"        return _forward(*map(cast, args), **{{k: cast(v) for k, v in kwargs.items()}})\n\n"
-                f"block.forward = forward_fp32")
+                f"        return _forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
+                f"                          for a in args), **kwargs)\n"
+                f"{_attr(f)}.forward = forward_fp32")
     else:
         code = (f'with torch.autocast("{dev}", enabled=False):  # an fp32 island for the loss\n'
                 f"    loss = compute_loss(output.float(), target)")
@@ -308,7 +305,7 @@ def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, An
                 if overrides is not None:
                     key = repr(sorted(overrides.items()))
                     if key not in cache:
-                        cache[key] = verify(overrides)
+                        cache[key] = verify(dict(overrides))
                     result = cache[key]
                     note = ", ".join(f"{k}={v.value if hasattr(v, 'value') else v}" for k, v in overrides.items())
                     fix = dataclasses.replace(fix, verified=result,

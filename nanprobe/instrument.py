@@ -297,7 +297,7 @@ class OriginTracker:
                 zero = (a == 0)
                 stats = torch.stack([
                     torch.where(finite, a, torch.zeros((), device=a.device)).max(),
-                    torch.where(zero, inf, a).min(),
+                    torch.where(zero | ~finite, inf, a).min(),
                     zero.float().mean(),
                     (finite & (a > self.limits.max)).float().mean(),
                     (~zero & (a < self.limits.tiny)).float().mean(),

@@ -80,7 +80,8 @@ def _verdict(r: Report) -> Panel:
                 lines.add_row("samples", ", ".join(map(str, o.samples)))
         top = r.top
         if top:
-            lines.add_row("cause", f"[bold]{top.cause.value}[/] ({top.confidence:.2f})  {top.evidence[0] if top.evidence else ''}")
+            specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES)] or list(top.evidence)
+            lines.add_row("cause", f"[bold]{top.cause.value}[/] ({top.confidence:.2f})  {specific[-1] if specific else ''}")
     lines.add_row("run", f"{r.entry}  ·  {r.precision}  ·  {r.device}"
                   + (f"  ·  {r.autocast_policy}" if r.autocast_policy else "")
                   + (f"  ·  reached by {r.reached_by}" if r.reached_by else ""))
@@ -96,9 +97,14 @@ def _findings(r: Report) -> Table:
     t.add_column("module")
     t.add_column("evidence", ratio=1)
     for i, f in enumerate(r.findings, 1):
+        lines = [e for e in f.evidence if not (r.origin and e.startswith(_ORIGIN_PREFIXES))]
         t.add_row(str(i), f.cause.value, f"{f.confidence:.2f}", f.phase.value, f.module or "-",
-                  "\n".join(f.evidence[:5]))
+                  "\n".join(lines[:5] if i == 1 else lines[-2:]))
     return t
+
+
+# evidence lines that repeat the verdict panel (the origin line and its code)
+_ORIGIN_PREFIXES = ("forward: ", "backward: ", "update: ", "code: ")
 
 
 def _precisions(r: Report) -> Table:
@@ -129,9 +135,37 @@ def _context(r: Report) -> Table:
 
 def _history(r: Report) -> Table:
     t = Table(title="Recent steps", title_justify="left")
-    for col in ("step", "loss", "grad norm", "lr", "|dw|/|w| max", "note"):
+    for col in ("step", "loss", "grad norm", "lr", "|dw|/|w|", "note"):
         t.add_column(col, justify="right" if col != "note" else "left")
     for h in r.history[-6:]:
         note = "skipped (GradScaler)" if h.skipped else ("" if h.finite else "[red]non-finite[/]")
         t.add_row(str(h.step), g(h.loss), g(h.grad_norm), g(h.lr), g(h.update_ratio), note)
     return t
+
+
+def render_smoke(result, console: Console, *, verbose: bool = False) -> None:
+    """`nanprobe smoke`: the diagnosis of the first bad step, or one healthy panel."""
+    r = result.report
+    if r.status is not Status.FINITE:
+        render_report(r, console, verbose=verbose)
+        if result.capsule:
+            console.print(f"[bold]capsule[/] {result.capsule}")
+        if result.command:
+            console.print(f"[bold]replay[/]  {result.command}")
+        for note in result.notes:
+            console.print(f"[dim]note: {note}[/]")
+        return
+    lines = Table.grid(padding=(0, 2))
+    lines.add_column(style="bold")
+    lines.add_column()
+    losses = [h.loss for h in r.history if h.loss is not None and not h.skipped]
+    lines.add_row("steps", f"{result.steps_run} of {result.steps} trained from scratch under nanprobe.Guard")
+    if losses:
+        lines.add_row("loss", f"{g(losses[0])} → {g(losses[-1])} (last {len(r.history)} steps shown with -v)")
+    lines.add_row("run", f"{r.entry}  ·  {r.precision}  ·  {r.device}  ·  {result.seconds:.1f}s")
+    console.print(Panel(lines, title="[bold]nanprobe smoke: healthy: no NaN/Inf, no spike[/]", border_style="green",
+                        title_align="left"))
+    if verbose and r.history:
+        console.print(_history(r))
+    for note in tuple(result.notes) + r.notes:
+        console.print(f"[dim]note: {note}[/]")
