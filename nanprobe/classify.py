@@ -363,6 +363,12 @@ def origin_rule(ev: Evidence) -> list[Finding]:
             # inf - inf or 0 * inf inside one op
             lines.append("the op itself combined an overflow with a subtraction or a zero (inf - inf, 0 * inf)")
         conf = 0.85
+        if low and base in ("_to_copy", "copy_"):
+            big = max((s.absmax for s in ins), default=None)
+            lim = _dtype_max(e.out_dtype)
+            if big is not None and big > lim:
+                lines.append(f"casting values up to |x| = {_g(big)} to {e.out_dtype} (max {lim:g}) gives inf")
+                conf = 0.95
         if low:
             lim = _dtype_max(e.out_dtype)
             if probe is not None and probe.out_absmax is not None:

@@ -78,21 +78,37 @@ def _bf16(f: Finding, ev: Evidence) -> Fix | None:
                    "instead of 6.1e-5")
 
 
+def _island_modules(f: Finding, ev: Evidence) -> tuple[str, ...]:
+    """The finding's module plus every other module where the same op produced non-finite values."""
+    names = [f.module]
+    e = ev.origin
+    for other in (ev.main.trace.events if ev.main.trace else []):
+        if e is not None and other.phase is Phase.FORWARD and other.op == e.op and other.module not in names \
+                and other.module not in (None, "", LOSS_FN):
+            names.append(other.module)
+    return tuple(names)
+
+
 @fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, Cause.LOG, Cause.DIV, Cause.SQRT,
-         verify=lambda f, ev: {"fp32_module": f.module}
+         verify=lambda f, ev: {"fp32_module": _island_modules(f, ev)}
          if _is_low_run(ev) and f.module and f.module != LOSS_FN and f.phase is not Phase.UPDATE else None)
 def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
     if not _is_low_run(ev) or f.phase is Phase.UPDATE:
         return None
     dev = _device(ev)
     if f.module and f.module != LOSS_FN:
-        code = (f"# keep {f.module} in float32 while the rest runs in {ev.reached.precision.value}\n"
-                f"_forward = {_attr(f)}.forward\n"
-                f"def forward_fp32(*args, **kwargs):\n"
-                f'    with torch.autocast("{dev}", enabled=False):\n'
-                f"        return _forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
-                f"                          for a in args), **kwargs)\n"
-                f"{_attr(f)}.forward = forward_fp32")
+        names = _island_modules(f, ev)
+        mods = ", ".join(_attr(dataclasses.replace(f, module=n)) for n in names)
+        code = (f"# keep {', '.join(names)} in float32 while the rest runs in {ev.reached.precision.value}\n"
+                f"def fp32_island(module):\n"
+                f"    forward = module.forward\n"
+                f"    def forward_fp32(*args, **kwargs):\n"
+                f'        with torch.autocast("{dev}", enabled=False):\n'
+                f"            return forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
+                f"                             for a in args), **kwargs)\n"
+                f"    module.forward = forward_fp32\n\n"
+                f"for m in ({mods},):\n"
+                f"    fp32_island(m)")
     else:
         code = (f'with torch.autocast("{dev}", enabled=False):  # an fp32 island for the loss\n'
                 f"    loss = compute_loss(output.float(), target)")
@@ -117,6 +133,19 @@ def _scale_before_matmul(f: Finding, ev: Evidence) -> Fix | None:
                     + _src(ev),
                why="dividing by sqrt(d) after the matmul lets the unscaled logits overflow 65504 first; "
                    "qk-norm (LayerNorm on q and k) bounds them for good")
+
+
+@fix_for(Cause.OVERFLOW)
+def _dtype_aware_constant(f: Finding, ev: Evidence) -> Fix | None:
+    e = ev.origin
+    if e is None or op_base(e.op) not in ("_to_copy", "copy_", "fill_", "masked_fill", "masked_fill_"):
+        return None
+    return Fix(title="Use a dtype-aware constant instead of a hard-coded huge one (-1e9, 1e10, ...)",
+               code="neg = torch.finfo(scores.dtype).min        # -65504 in fp16, -3.4e38 in fp32\n"
+                    "scores = scores.masked_fill(blocked, neg)   # instead of adding (blocked * -1e9).to(dtype)"
+                    + _src(ev),
+               why="a constant beyond the fp16 range becomes inf when cast; fully masked rows then give "
+                   "softmax(-inf, ..., -inf) = NaN, where the finite minimum gives a uniform row")
 
 
 @fix_for(Cause.OVERFLOW)

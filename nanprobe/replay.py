@@ -177,7 +177,7 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
         record, step_ratios, params_finite = measure(target, snap, outcome, step)
         reason = _reason(record, params_finite)
         status = Status.NONFINITE if reason else Status.FINITE
-        if record.skipped:
+        if record.skipped and math.isfinite(record.loss):  # GradScaler's normal skip: overflowed scaled grads
             skips += 1
             reason = None
             status = Status.FINITE

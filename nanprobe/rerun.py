@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .batch import clone_batch
+from .batch import clone_batch, map_tensors
 from .errors import UserCodeError
 from .instrument import Event, OriginTracker, Probe, Trace
 from .loop import StepOutcome, batch_size, train_step
@@ -36,12 +36,10 @@ class StepTrace:
 
 
 @contextlib.contextmanager
-def _fp32_island(model: torch.nn.Module, module_name: str):
-    """Run one module with autocast disabled and float32 inputs (the fix we verify)."""
-    module = dict(model.named_modules()).get(module_name)
-    if module is None:
-        yield False
-        return
+def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
+    """Run modules with autocast disabled and float32 inputs (the fix we verify)."""
+    names = (module_names,) if isinstance(module_names, str) else tuple(module_names)
+    modules = [m for n, m in model.named_modules() if n in names]
     device_type = device_of(model).type
     contexts: list[Any] = []
 
@@ -55,13 +53,48 @@ def _fp32_island(model: torch.nn.Module, module_name: str):
     def post(mod, args, kwargs, out):
         contexts.pop().__exit__(None, None, None)
 
-    h1 = module.register_forward_pre_hook(pre, with_kwargs=True)
-    h2 = module.register_forward_hook(post, with_kwargs=True, always_call=True)
+    handles = []
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
     try:
-        yield True
+        yield bool(modules)
     finally:
-        h1.remove()
-        h2.remove()
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _float64(target, snapshot):
+    """Run the step in float64: parameters, buffers and gradients widened in place (same objects),
+    the optimizer state reloaded (cast to float64), default dtype float64. On exit, errors too, every
+    tensor gets its original dtype back; the caller's final ``snapshot.restore`` then reloads the values
+    and the optimizer state (cast back to the original dtypes)."""
+    model = target.model
+    saved = [(t, t.dtype) for t in [*model.parameters(), *model.buffers()]
+             if t.is_floating_point() and t.dtype != torch.float64]
+    default = torch.get_default_dtype()
+
+    def cast(t: torch.Tensor, dtype: torch.dtype) -> None:
+        grad = t.grad if t.is_leaf else None
+        if grad is not None:
+            t.grad = None
+        t.data = t.data.to(dtype)
+        if grad is not None:
+            t.grad = grad.to(dtype)
+
+    try:
+        with torch.no_grad():
+            for t, _ in saved:
+                cast(t, torch.float64)
+        torch.set_default_dtype(torch.float64)
+        snapshot.restore(target, None)  # exact values again; optimizer state follows the parameters' dtype
+        yield
+    finally:
+        torch.set_default_dtype(default)
+        with torch.no_grad():
+            for t, dtype in saved:
+                cast(t, dtype)
 
 
 def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | None):
@@ -77,7 +110,8 @@ def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | No
 
 
 def run_step(target, reached: Reached, precision: Precision, *, where: str, instrument: bool = True,
-             probe: Probe | None = None, fp32_module: str | None = None, max_grad_norm: float | None = None,
+             probe: Probe | None = None, fp32_module: str | tuple[str, ...] | None = None,
+             max_grad_norm: float | None = None,
              lr_scale: float | None = None, param_overrides: dict[str, Any] | None = None,
              grad_scaler: bool | None = None, tolerate_errors: bool = False,
              observe: Callable[[Phase], None] | None = None) -> StepTrace:
@@ -107,6 +141,9 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
                             batch_size=batch_size(batch), probe=probe) if instrument else None
     try:
         with contextlib.ExitStack() as stack:
+            if precision is Precision.FP64:  # the user's objects get their dtypes back when the stack exits
+                stack.enter_context(_float64(target, snapshot))
+                batch = map_tensors(batch, lambda t: t.double() if t.is_floating_point() else t)
             if fp32_module:
                 stack.enter_context(_fp32_island(target.model, fp32_module))
             if tracker is not None:

@@ -1,0 +1,68 @@
+"""Every bundled example: `nanprobe run` names the right cause, phase and module (library and CLI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import example
+from nanprobe import diagnose
+from nanprobe.cli import app
+from nanprobe.report import Status
+
+# file, first bad step, top cause, phase, module  (None: healthy, exit 0, no finding)
+TABLE = [
+    ("data_nan_features.py", 3, "data", "input", None),
+    ("data_all_ignored.py", 2, "data", "input", None),
+    ("fp16_attention_overflow.py", None, "overflow", "forward", "blocks.1.attn"),
+    ("fp16_padding_mask_overflow.py", 3, "overflow", "forward", "blocks.0.attn"),
+    ("fp16_underflow_log.py", None, "underflow", "forward", "head"),
+    ("poisson_log_zero.py", None, "log", "forward", "head"),
+    ("sqrt_grad_at_zero.py", None, "sqrt", "backward", "distance"),
+    ("div_l2norm_no_eps.py", None, "div", "forward", "normalize"),
+    ("gamma_pow_domain.py", None, "domain", "forward", "gamma"),
+    ("lr_schedule_spike.py", None, "lr_spike", "update", None),
+    ("adam_eps_zero.py", 0, "div", "update", "embed"),
+    ("exp_overflow_softplus.py", None, "overflow", "forward", None),
+    ("masked_log_where.py", None, "log", "forward", "safe_log"),
+    ("flaky_not_reproduced.py", 4, "not_reproduced", None, None),
+]
+HEALTHY = ["healthy_mlp.py", "healthy_transformer.py"]
+
+
+@pytest.mark.parametrize("name, step, cause, phase, module", TABLE, ids=[row[0] for row in TABLE])
+def test_example_diagnosis(name, step, cause, phase, module):
+    report = diagnose(example(name) + ":target")
+    assert report.status in (Status.NONFINITE, Status.SPIKE)
+    assert report.exit_code == 1
+    top = report.top
+    assert top is not None, report.to_json()
+    assert top.cause.value == cause, [(f.cause.value, f.confidence, f.evidence) for f in report.findings]
+    if phase is not None:
+        assert top.phase.value == phase
+    if module is not None:
+        assert top.module == module
+    if step is not None:
+        assert report.step == step
+    assert top.fixes, "every finding comes with at least one fix"
+    assert all(f.code.strip() for f in top.fixes)
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_examples_exit_0_with_no_finding(name):
+    report = diagnose(example(name) + ":target")
+    assert report.status is Status.FINITE and report.findings == () and report.exit_code == 0
+
+
+def test_cli_json_shape_on_a_broken_example(tmp_path):
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["run", example("div_l2norm_no_eps.py") + ":target", "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "normalize" in result.output and "div" in result.output
+    data = json.loads(out.read_text())
+    assert data["command"] == "run" and data["schema"] == 1 and data["status"] == "nonfinite"
+    assert data["origin"]["module"] == "normalize" and data["origin"]["phase"] == "forward"
+    assert data["findings"][0]["cause"] == "div"
+    assert {"fp32", "bf16", "fp16"} <= set(data["precisions"])
