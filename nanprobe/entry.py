@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from .errors import EntryError, UserCodeError
-from .target import Target, call_user, validate
+from .target import Target, call_user, to_device, validate
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,8 +95,11 @@ def load_module(entry: str) -> tuple[ModuleType, str]:
     return module, func
 
 
-def load_target(entry: str, config: dict | None = None) -> Loaded:
-    """Import ENTRY, call its function (with ``config`` if it takes one) and validate the result."""
+def load_target(entry: str, config: dict | None = None, device: str | None = None) -> Loaded:
+    """Import ENTRY, call its function (with ``config`` if it takes one) and validate the result.
+
+    ``device`` moves the model, optimizer state and batches there (``--device cuda``).
+    """
     module, func_name = load_module(entry)
     fn = getattr(module, func_name, None)
     if fn is None:
@@ -113,6 +116,8 @@ def load_target(entry: str, config: dict | None = None) -> Loaded:
     args = _arguments(fn, config, entry, where)
     result = call_user(f"{entry.rsplit(':', 1)[-1]}()", fn, *args)
     target = validate(result, where)
+    if device is not None:
+        to_device(target, device)
     return Loaded(target=target, entry=entry, module=module.__name__, function=func_name,
                   path=path, lineno=lineno)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .errors import TargetError, UserCodeError
+from .batch import map_tensors
+from .errors import TargetError, UsageError, UserCodeError
 from .precision import Precision, parse_precision
 
 
@@ -152,3 +153,34 @@ def call_user(during: str, fn: Callable, *args):
         raise
     except Exception as exc:  # noqa: BLE001 - any error in user code is reported, not ours
         raise UserCodeError(during, exc) from exc
+
+
+class _MovedBatches:
+    """Re-iterable view of the user's batches with every tensor moved to ``device``."""
+
+    def __init__(self, batches: Iterable[Any], device: torch.device):
+        self.batches, self.device = batches, device
+
+    def __iter__(self):
+        for batch in self.batches:
+            yield map_tensors(batch, lambda t: t.to(self.device))
+
+
+def to_device(target: Target, device: str | torch.device) -> Target:
+    """Move the model, optimizer state and batches to ``device`` (e.g. diagnose a CPU script on CUDA)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"unknown device {device!r}", "--device", "Use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("CUDA is not available on this machine", "--device", "Use --device cpu, or run on a GPU host")
+    target.model.to(dev)
+    opt = target.optimizer
+    if opt is not None and opt.state:
+        opt.load_state_dict(opt.state_dict())  # casts the state onto the parameters' device
+    batches = target.batches
+    if callable(batches) and not isinstance(batches, Iterable):
+        target.batches = lambda step: map_tensors(batches(step), lambda t: t.to(dev))
+    else:
+        target.batches = _MovedBatches(batches, dev)
+    return target

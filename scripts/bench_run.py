@@ -27,12 +27,19 @@ from nanprobe.replay import reach  # noqa: E402
 from nanprobe.rerun import run_step  # noqa: E402
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -42,10 +49,11 @@ def main() -> None:
     parser.add_argument("--entry", default=str(ROOT / "examples" / "healthy_transformer.py") + ":target")
     parser.add_argument("--at", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default=None, help="move the target there first (e.g. cuda)")
     args = parser.parse_args()
 
     cfg = load_config()
-    loaded = load_target(args.entry)
+    loaded = load_target(args.entry, device=args.device)
     target = loaded.target
     reached = reach(target, at=args.at, precision=target.precision, cfg=cfg.replay, where=loaded.where)
     prec = reached.precision
@@ -74,7 +82,7 @@ def main() -> None:
     t_diag = _median_time(diagnosis, max(3, args.repeats // 2))
     params = sum(p.numel() for p in target.model.parameters())
     print(f"entry: {args.entry}  step {reached.step}  precision {prec.value}  params {params:,}  "
-          f"threads {torch.get_num_threads()}")
+          f"device {next(target.model.parameters()).device}  threads {torch.get_num_threads()}")
     print(f"plain step (restore + step):         {base * 1e3:8.2f} ms   1.00x")
     print(f"detect_anomaly step:                 {t_anom * 1e3:8.2f} ms   {t_anom / base:5.2f}x")
     print(f"instrumented rerun (one precision):  {t_inst * 1e3:8.2f} ms   {t_inst / base:5.2f}x")

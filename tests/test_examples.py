@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from conftest import example
@@ -31,9 +32,16 @@ TABLE = [
 HEALTHY = ["healthy_mlp.py", "healthy_transformer.py"]
 
 
+cuda_test = pytest.mark.cuda_test
+DEVICES = ["cpu", pytest.param("cuda", marks=[cuda_test, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, step, cause, phase, module", TABLE, ids=[row[0] for row in TABLE])
-def test_example_diagnosis(name, step, cause, phase, module):
-    report = diagnose(example(name) + ":target")
+def test_example_diagnosis(name, step, cause, phase, module, device):
+    report = diagnose(example(name) + ":target", device=None if device == "cpu" else device)
+    assert report.device.startswith(device)
     assert report.status in (Status.NONFINITE, Status.SPIKE)
     assert report.exit_code == 1
     top = report.top
@@ -49,9 +57,10 @@ def test_example_diagnosis(name, step, cause, phase, module):
     assert all(f.code.strip() for f in top.fixes)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", HEALTHY)
-def test_healthy_examples_exit_0_with_no_finding(name):
-    report = diagnose(example(name) + ":target")
+def test_healthy_examples_exit_0_with_no_finding(name, device):
+    report = diagnose(example(name) + ":target", device=None if device == "cpu" else device)
     assert report.status is Status.FINITE and report.findings == () and report.exit_code == 0
 
 
