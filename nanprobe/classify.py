@@ -275,16 +275,21 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         lines.append(f"the same step in {ev.reference.precision.value} is finite (loss {_g(ev.reference.record.loss)})")
 
     def underflow_check(kind: str) -> bool:
-        """Zeros in the low-precision inputs that are non-zero in the reference."""
-        if not low or probe is None or probe.inputs is None:
+        """Zeros in the low-precision inputs that are non-zero in the reference.
+
+        The op itself may run in float32 (CUDA autocast upcasts log, exp, pow...) while its zero
+        input was flushed upstream in fp16: what matters is that the run is in low precision.
+        """
+        if not ev.reached.precision.low or probe is None or probe.inputs is None:
             return False
         ref_zeros = _zeros(probe.inputs)
         if zeros > ref_zeros:
             tiny = min((s.min_nonzero for s in probe.inputs if s.min_nonzero is not None), default=None)
-            lim = limits(getattr(torch, e.out_dtype))
-            lines.append(f"{zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in {e.out_dtype} but non-zero "
-                         f"in {ev.reference.precision.value} (smallest {_g(tiny)}; {e.out_dtype} flushes below "
-                         f"{lim.subnormal:.2g})")
+            run_dtype = str(ev.reached.precision.dtype).replace("torch.", "")
+            lim = limits(ev.reached.precision.dtype)
+            lines.append(f"{zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the {ev.reached.precision.value} "
+                         f"run but non-zero in {ev.reference.precision.value} (smallest {_g(tiny)}; {run_dtype} "
+                         f"flushes below {lim.subnormal:.2g})")
             findings.append(_finding(Cause.UNDERFLOW, 0.92, e, lines))
             findings.append(_finding(Cause(kind), 0.6, e, lines[:1] + [
                 f"secondary: {base or nbase} of the underflowed zero(s) gives {e.kind}; guarding the {kind} alone "

@@ -1,26 +1,28 @@
 """Find the op that PRODUCED the first non-finite value, in forward, backward and update.
 
 ``OriginTracker`` is the public facade. It owns a private ``TorchDispatchMode`` that checks the
-floating outputs of every op with ``torch.aminmax`` (NaN propagates into min/max, Inf shows as
-±inf), a ``TorchFunctionMode`` that labels each autograd node with the module and user source
-line that created it during the forward pass, and global module hooks that keep the module
-stack and per-module range statistics. Nothing here prints; everything is collected and the
+floating outputs of every op (a float32 sum is non-finite iff a value is; ``torch.aminmax`` then
+tells NaN from ±Inf), and global module hooks that keep the module stack, label each autograd
+node with the module that created it (a walk back from the module's outputs: exact, where
+``ModuleTracker`` misattributes backward ops), and record per-module range statistics. The
+forward source line of a backward origin comes from anomaly mode's node metadata in the one
+rerun that needs it (``source_of_node``). Nothing here prints; everything is collected and the
 hooks are removed on exit, errors included.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .batch import iter_tensors
-from .errors import user_source_frame
+from .errors import _is_library_file, _short, user_source_frame
 from .precision import Limits, limits
 from .report import ModuleRange, Phase
 
@@ -80,6 +82,7 @@ class Event:
     parameter: str | None = None
     update_info: dict[str, Any] | None = None
     masked: bool = False       # set later when the step's loss stayed finite
+    node_seq: int | None = None  # backward: the node's creation order in the step (finds it again in a rerun)
 
 
 @dataclass(slots=True)
@@ -112,6 +115,7 @@ class Trace:
     range_op_index: list[int] = field(default_factory=list)
     ops_checked: int = 0
     probe: Probe | None = None
+    node_source: tuple[str | None, str | None] | None = None  # (file:line, code) of a node found in a rerun
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
@@ -119,13 +123,16 @@ def _floats(tree: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
 
 
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
 def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """One aminmax per tensor and one sync: max - min is finite only if every value is."""
+    """One reduction per tensor and one sync. A float32 sum is NaN/Inf if any value is; it can
+    also overflow on its own (values near 3e38), so a True here is confirmed with aminmax."""
     if len(tensors) == 1:
-        mn, mx = torch.aminmax(tensors[0].detach())
-        return not math.isfinite((mx.float() - mn.float()).item())
-    spans = [(mx.float() - mn.float()) for mn, mx in (torch.aminmax(t.detach()) for t in tensors)]
-    return not all(math.isfinite(v) for v in torch.stack(spans).tolist())
+        return not math.isfinite(_sum(tensors[0]).item())
+    return not all(math.isfinite(v) for v in torch.stack([_sum(t).double() for t in tensors]).tolist())
 
 
 def _kinds(tensors: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
@@ -160,15 +167,23 @@ def _tensor_stats(t: torch.Tensor) -> TensorStats:
                        negatives=int(row[5]), nonfinite=int(row[6]), numel=t.numel())
 
 
+_WRITTEN: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+
+
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     """Tensors an in-place or out= op writes to (checked before the op overwrites them)."""
-    out = []
-    schema = func._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        out.extend(_floats(value))
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                                         if a.alias_info is not None and a.alias_info.is_write)
+    out: list[torch.Tensor] = []
+    for i, name, kwarg_only in written:
+        value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.numel() > 0:
+                out.append(value)
+        elif value is not None:
+            out.extend(_floats(value))
     return out
 
 
@@ -192,27 +207,6 @@ class _OriginMode(TorchDispatchMode):
         return out
 
 
-class _NodeLabeler(TorchFunctionMode):
-    """Labels every autograd node created in the forward pass with its module and source line."""
-
-    def __init__(self, tracker: OriginTracker):
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tr = self.tracker
-        if tr.phase is Phase.FORWARD and torch.is_grad_enabled():
-            labels = tr.node_labels
-            leaves = out if isinstance(out, (tuple, list)) else (out,)
-            for t in leaves:
-                node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-                if node is not None and node not in labels:
-                    file, line, code = user_source_frame()
-                    labels[node] = (tr.current_module(), f"{file}:{line}" if file else None, code)
-        return out
-
-
 class OriginTracker:
     """Instrument one training step; read ``trace`` afterwards.
 
@@ -222,7 +216,7 @@ class OriginTracker:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
-                 ranges: bool = True):
+                 ranges: bool = True, source_of_node: int | None = None):
         self.model = model
         self.optimizer = optimizer
         self.names = {id(m): name for name, m in model.named_modules()}
@@ -233,7 +227,9 @@ class OriginTracker:
         self.phase: Phase = Phase.FORWARD
         self.active = False
         self.stack: list[str] = []
-        self.node_labels: dict[Any, tuple[str, str | None, str | None]] = {}
+        self.node_labels: dict[Any, str] = {}       # autograd node -> module that created it
+        self.base_seq = 0                             # sequence number at the start of the forward
+        self.source_of_node = source_of_node          # node_seq whose forward line to read (anomaly rerun)
         self._want_ranges = ranges
         self._module_stats: list[_ModuleStat] = []
         self._occurrences: dict[tuple, int] = {}
@@ -246,7 +242,7 @@ class OriginTracker:
         mm = torch.nn.modules.module
         self._handles = [mm.register_module_forward_pre_hook(self._pre_hook),
                          mm.register_module_forward_hook(self._post_hook, always_call=True)]
-        self._modes = [_NodeLabeler(self), _OriginMode(self)]
+        self._modes = [_OriginMode(self)]
         for mode in self._modes:
             mode.__enter__()
         self.active = True
@@ -262,6 +258,10 @@ class OriginTracker:
         self._finish_ranges()
 
     def set_phase(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD:
+            self.active = False
+            self.base_seq = _next_sequence_nr()
+            self.active = True
         self.phase = phase
         if phase is Phase.UPDATE and self.optimizer is not None:
             self._index_optimizer()
@@ -281,10 +281,29 @@ class OriginTracker:
             return
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
+        if self.active and torch.is_grad_enabled():
+            self._label_nodes(name, output)
         if self._want_ranges and self.active:
             outs = [t for _, t in iter_tensors(output) if t.is_floating_point() and t.numel() > 0]
             if outs:
                 self._record_range(name, outs[0])
+
+    def _label_nodes(self, name: str, output: Any) -> None:
+        """Label the autograd nodes this module created: walk back from its outputs to labelled nodes.
+
+        Post-hooks run innermost module first, so each node gets the innermost module that made it;
+        nodes the loss_fn creates outside the model stay unlabelled and read as "(loss_fn)".
+        """
+        labels = self.node_labels
+        todo = [t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in labels:
+                continue
+            labels[node] = name
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in labels and not hasattr(nxt, "variable"):
+                    todo.append(nxt)
 
     def _record_range(self, name: str, t: torch.Tensor) -> None:
         self.active = False  # our own reductions are not the user's ops
@@ -371,6 +390,8 @@ class OriginTracker:
         else:
             outs = _floats(out)
         if not outs:
+            outs = mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
+        if not outs:
             return
         self.active = False
         try:
@@ -399,6 +420,8 @@ class OriginTracker:
         if len(trace.events) >= MAX_EVENTS or not _any_nonfinite(outs):
             return
         out_kinds = _kinds(outs)
+        if not any(any(k) for k in out_kinds):
+            return  # the sum overflowed, the values are finite
         inputs = [t for t in _floats((args, kwargs)) if not any(t is m for m in mutated)]
         in_kinds = _kinds(inputs) + (pre or [])
         scalars = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (int, float)) and not isinstance(a, bool)]
@@ -420,14 +443,13 @@ class OriginTracker:
             rows = (~torch.isfinite(bad_out.detach())).reshape(bad_out.shape[0], -1).any(1)
             samples = tuple(int(i) for i in rows.nonzero().flatten()[:8].tolist())
         source = code = None
-        parameter = update_info = None
+        parameter = update_info = node_seq = None
         if self.phase is Phase.FORWARD:
             file, line, code = user_source_frame()
             source = f"{file}:{line}" if file else None
         elif self.phase is Phase.BACKWARD:
-            label = self._node_label()
-            if label is not None:
-                source, code = label[1], label[2]
+            node = torch._C._current_autograd_node()
+            node_seq = node._sequence_nr() - self.base_seq if node is not None else None
         elif self.phase is Phase.UPDATE:
             parameter, update_info = self._update_context(mutated + outs + inputs)
             if parameter is not None:
@@ -438,7 +460,7 @@ class OriginTracker:
             out_nonfinite=nonfinite, out_numel=bad_out.numel(), samples=samples,
             inputs=[_tensor_stats(t) for t in inputs + mutated],
             scalars=[_scalar(s) for s in scalars[:6]], occurrence=occ,
-            parameter=parameter, update_info=update_info))
+            parameter=parameter, update_info=update_info, node_seq=node_seq))
 
     def _node_name(self) -> str | None:
         if self.phase is not Phase.BACKWARD:
@@ -446,10 +468,13 @@ class OriginTracker:
         node = torch._C._current_autograd_node()
         return node.name() if node is not None else None
 
-    def _node_label(self):
+    def _node_label(self) -> str | None:
         node = torch._C._current_autograd_node()
         if node is None:
             return None
+        if self.source_of_node is not None and self.trace.node_source is None \
+                and node._sequence_nr() - self.base_seq == self.source_of_node:
+            self.trace.node_source = _anomaly_source(node)
         return self.node_labels.get(node)
 
     def _module_for_op(self) -> str | None:
@@ -458,15 +483,37 @@ class OriginTracker:
         if self.phase is Phase.BACKWARD:
             label = self._node_label()
             if label is not None:
-                return label[0]
+                return label
             node = torch._C._current_autograd_node()
             if node is not None and node.name() == "torch::autograd::AccumulateGrad":
                 var = getattr(node, "variable", None)
                 pname = self.param_names.get(id(var)) if var is not None else None
                 if pname:
                     return pname.rsplit(".", 1)[0] if "." in pname else ""
-            return None
+                return None
+            return LOSS_FN if node is not None else None  # created outside the model's modules
         return None
+
+
+def _next_sequence_nr() -> int:
+    """The autograd sequence number the next node will get (creates one throwaway node)."""
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True).neg()
+    return probe.grad_fn._sequence_nr() + 1
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _anomaly_source(node: Any) -> tuple[str | None, str | None]:
+    """The innermost user frame of the forward stack anomaly mode recorded for a node."""
+    frames = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    for frame in reversed(frames or []):
+        m = _FRAME.search(frame)
+        if m and not _is_library_file(m.group("file")):
+            lines = frame.strip().splitlines()
+            return f"{_short(m.group('file'))}:{m.group('line')}", (lines[1].strip() if len(lines) > 1 else None)
+    return None, None
 
 
 def _scalar(x: Any) -> Any:

@@ -114,7 +114,7 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
              max_grad_norm: float | None = None,
              lr_scale: float | None = None, param_overrides: dict[str, Any] | None = None,
              grad_scaler: bool | None = None, tolerate_errors: bool = False,
-             observe: Callable[[Phase], None] | None = None) -> StepTrace:
+             observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None) -> StepTrace:
     """Restore the state before the step, run it once, restore again. User objects end unchanged.
 
     ``observe(phase)`` is called at each phase boundary (after the tracker), e.g. to read the
@@ -138,12 +138,15 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     tracker = OriginTracker(target.model, target.optimizer,
                             low_dtype=precision.dtype if precision.low else reached.precision.dtype
                             if reached.precision.low else torch.float16,
-                            batch_size=batch_size(batch), probe=probe) if instrument else None
+                            batch_size=batch_size(batch), probe=probe,
+                            source_of_node=source_of_node) if instrument else None
     try:
         with contextlib.ExitStack() as stack:
             if precision is Precision.FP64:  # the user's objects get their dtypes back when the stack exits
                 stack.enter_context(_float64(target, snapshot))
                 batch = map_tensors(batch, lambda t: t.double() if t.is_floating_point() else t)
+            if source_of_node is not None:  # anomaly mode records each node's forward stack
+                stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             if fp32_module:
                 stack.enter_context(_fp32_island(target.model, fp32_module))
             if tracker is not None:
@@ -168,3 +171,18 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
         snapshot.restore(target, reached.scaler)
 
 
+
+
+def resolve_backward_source(target, reached: Reached, trace: StepTrace, *, where: str) -> bool:
+    """Give a backward origin the forward source line of its autograd node.
+
+    Costs one more rerun with anomaly mode (check_nan=False), which records every node's forward
+    stack; only the origin's node is read. Returns whether a rerun happened.
+    """
+    origin = trace.origin
+    if origin is None or origin.phase is not Phase.BACKWARD or origin.node_seq is None or origin.source:
+        return False
+    again = run_step(target, reached, trace.precision, where=where, source_of_node=origin.node_seq)
+    if again.trace is not None and again.trace.node_source:
+        origin.source, origin.code = again.trace.node_source
+    return True

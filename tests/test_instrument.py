@@ -14,14 +14,16 @@ from nanprobe.config import load_config
 from nanprobe.precision import Precision
 from nanprobe.replay import reach
 from nanprobe.report import Phase
-from nanprobe.rerun import run_step
+from nanprobe.rerun import resolve_backward_source, run_step
 from nanprobe.target import Target
 
 
 def trace_of(model, loss_fn, batch, *, optimizer=None, precision=Precision.FP32):
     target = Target(model=model, loss_fn=loss_fn, batches=[batch], optimizer=optimizer, precision=precision)
     reached = reach(target, at=0, precision=precision, cfg=load_config().replay, where="test")
-    return run_step(target, reached, precision, where="test")
+    trace = run_step(target, reached, precision, where="test")
+    resolve_backward_source(target, reached, trace, where="test")
+    return trace
 
 
 class LogThenMul(nn.Module):
@@ -111,10 +113,11 @@ def test_backward_origin_named_by_node_module_and_forward_line():
     assert math.isfinite(t.record.loss)
 
 
-def test_update_origin_names_parameter_lr_and_state():
+@pytest.mark.parametrize("foreach", [False, True])  # CUDA defaults to the foreach (in-place list) kernels
+def test_update_origin_names_parameter_lr_and_state(foreach):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 2), nn.Flatten(), nn.Linear(4, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=0.0, foreach=foreach)
     t = trace_of(model, lambda m, b: m(b).sum(), torch.tensor([[1, 2], [3, 1]]), optimizer=opt)
     e = t.origin
     assert (e.phase, e.module, e.parameter) == (Phase.UPDATE, "0", "0.weight")
