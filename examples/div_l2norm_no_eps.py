@@ -1,48 +1,80 @@
-"""Division by zero: L2-normalizing embeddings without eps, and a ReLU row that is all zero.
+"""0/0 in an L2 normalisation without eps: an empty document has an all-zero embedding.
 
-A retrieval model embeds TF-IDF vectors with a bias-free Linear + ReLU and L2-normalizes them by
-hand, ``x / x.norm(dim=-1, keepdim=True)``. An empty document (all-zero TF-IDF vector) arrives at
-step 3, sample 7: its embedding is all zero, its norm is 0, and 0/0 = NaN in the forward pass.
+A text classifier embeds TF-IDF vectors with ``Linear(bias=False) + ReLU``,
+L2-normalises the embedding in its ``normalize`` module with
+``x / x.norm(dim=-1, keepdim=True)`` and classifies the unit vector (a
+cosine-style classifier). At step 3 the batch contains a document whose text
+was empty after preprocessing (sample 6: only stop words), so its TF-IDF
+vector is all zeros, the bias-free projection and the ReLU give exactly zero,
+its norm is 0 and the division is 0/0 = NaN, in fp32, in the forward pass.
+``F.normalize(x, dim=-1)`` (which clamps the norm with eps=1e-12) avoids it.
 
-Expected diagnosis: div, forward, module ``normalize``.
+Expected diagnosis: cause ``div``, phase ``forward``, module ``normalize``
+(``aten.div``), step 3, sample 6.
 """
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+VOCAB, N_CLASSES, BATCH_SIZE, N_STEPS = 200, 4, 16, 20
+
 
 class L2Normalize(nn.Module):
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / x.norm(dim=-1, keepdim=True)
 
 
-class Retriever(nn.Module):
-    def __init__(self, features: int = 8, dim: int = 16, classes: int = 4):
+class CosineTextClassifier(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, n_classes: int = N_CLASSES, scale: float = 10.0):
         super().__init__()
-        self.proj = nn.Sequential(nn.Linear(features, dim, bias=False), nn.ReLU())
+        self.embed = nn.Linear(vocab, dim, bias=False)
+        self.act = nn.ReLU()
         self.normalize = L2Normalize()
-        self.prototypes = nn.Parameter(torch.randn(classes, dim))
+        self.classifier = nn.Linear(dim, n_classes)
+        self.scale = scale
 
-    def forward(self, x):
-        z = self.normalize(self.proj(x))
-        return 10.0 * z @ F.normalize(self.prototypes, dim=-1).T
+    def forward(self, tfidf: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.classifier(self.normalize(self.act(self.embed(tfidf))))
 
 
-def make_batches(steps: int = 6):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for step in range(steps):
-        x = torch.rand(16, 8, generator=g) * (torch.rand(16, 8, generator=g) < 0.5)  # sparse TF-IDF weights
-        y = torch.randint(0, 4, (16,), generator=g)
+def make_batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Sparse TF-IDF rows; each class prefers its own slice of the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(N_STEPS):
+        label = torch.randint(0, N_CLASSES, (BATCH_SIZE,), generator=g)
+        counts = torch.poisson(torch.full((BATCH_SIZE, VOCAB), 0.05), generator=g)
+        for i, c in enumerate(label.tolist()):  # topic words of the document's class
+            lo = c * VOCAB // N_CLASSES
+            counts[i, lo:lo + 10] += torch.poisson(torch.full((10,), 1.0), generator=g)
         if step == 3:
-            x[7] = 0.0  # an empty document
-        out.append((x, y))
-    return out
+            counts[6] = 0.0  # a document that was only stop words: nothing left after cleaning
+        tf = counts / counts.sum(-1, keepdim=True).clamp(min=1.0)
+        tfidf = tf * torch.log(torch.tensor(1.0 + VOCAB))
+        batches.append({"tfidf": tfidf, "label": label})
+    return batches
+
+
+def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch["tfidf"]), batch["label"])
 
 
 def target():
     torch.manual_seed(0)
-    model = Retriever()
-    return {"model": model, "loss_fn": lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-            "batches": make_batches(), "optimizer": torch.optim.SGD(model.parameters(), lr=1e-3)}
+    model = CosineTextClassifier()
+    return {
+        "model": model,
+        "loss_fn": classification_loss,
+        "batches": make_batches(),
+        "optimizer": torch.optim.Adam(model.parameters(), lr=1e-2),
+        "precision": "fp32",
+    }
+
+
+if __name__ == "__main__":
+    from plain_loop import train
+
+    train(target())

@@ -1,56 +1,86 @@
-"""exp overflow in fp32: a hand-written softplus log(1 + exp(x)) meets an outlier batch.
+"""exp overflow in fp32: a hand-written softplus ``log(1 + exp(x))`` meets an outlier.
 
-A model uses a smooth activation written out by hand in ``encoder.act``. At step 3 a batch from
-a sensor glitch has values around 100; the pre-activation exceeds 88.7, exp overflows float32 to
-inf, and log(1 + inf) = inf. ``F.softplus`` switches to the linear branch for large inputs and
-would not overflow.
+A regression model on sensor readings uses a smooth activation written out by
+hand in ``encoder.act``: ``torch.log(1 + torch.exp(x))``. The readings are
+standardised with statistics computed on a clean sample, so they are O(1) -
+until step 3, where one reading (sample 2, channel 1) is a sensor glitch of 500.
+The pre-activation of that sample exceeds 88.7, ``exp`` overflows fp32 to inf,
+``log(1 + inf)`` is inf, and the next layer turns inf * weights of both signs
+into NaN. ``F.softplus`` (which switches to the identity for large inputs) or
+``torch.logaddexp(x, 0)`` compute the same function without overflowing.
 
-Expected diagnosis: overflow, forward, module ``encoder.act`` (aten.exp).
+Expected diagnosis: cause ``overflow``, phase ``forward``, module
+``encoder.act`` (``aten.exp``), step 3, sample 2.
 """
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+N_CHANNELS, BATCH_SIZE, N_STEPS = 4, 8, 20
 
-class SoftPlus(nn.Module):
-    def forward(self, x):
+
+class SmoothReLU(nn.Module):
+    """softplus, as written in the paper."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log(1 + torch.exp(x))
 
 
 class Encoder(nn.Module):
-    def __init__(self):
+    def __init__(self, n_in: int, hidden: int):
         super().__init__()
-        self.lin = nn.Linear(4, 16)
-        self.act = SoftPlus()
+        self.fc = nn.Linear(n_in, hidden)
+        self.act = SmoothReLU()
 
-    def forward(self, x):
-        return self.act(self.lin(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
 
 
-class Model(nn.Module):
-    def __init__(self):
+class SensorRegressor(nn.Module):
+    def __init__(self, n_in: int = N_CHANNELS, hidden: int = 16):
         super().__init__()
-        self.encoder = Encoder()
-        self.head = nn.Linear(16, 1)
+        self.encoder = Encoder(n_in, hidden)
+        self.head = nn.Linear(hidden, 1)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x)).squeeze(-1)
 
 
-def make_batches(steps: int = 6):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for step in range(steps):
-        x = torch.randn(8, 4, generator=g)
+def make_batches(seed: int = 0) -> list[list[torch.Tensor]]:
+    """[readings, target] pairs; readings are standardised."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N_CHANNELS, generator=g)
+    batches = []
+    for step in range(N_STEPS):
+        x = torch.randn(BATCH_SIZE, N_CHANNELS, generator=g)
+        y = torch.tanh(x @ w)
         if step == 3:
-            x[2] = 300.0  # a sensor glitch
-        out.append((x, x.sum(-1)))
-    return out
+            x[2, 1] = 500.0  # a sensor glitch that the standardisation did not catch
+        batches.append([x, y])
+    return batches
+
+
+def mse(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
 
 
 def target():
     torch.manual_seed(0)
-    model = Model()
-    return {"model": model, "loss_fn": lambda m, b: F.mse_loss(m(b[0]), b[1]), "batches": make_batches(),
-            "optimizer": torch.optim.SGD(model.parameters(), lr=1e-3)}
+    model = SensorRegressor()
+    return {
+        "model": model,
+        "loss_fn": mse,
+        "batches": make_batches(),
+        "optimizer": torch.optim.Adam(model.parameters(), lr=1e-2),
+        "precision": "fp32",
+    }
+
+
+if __name__ == "__main__":
+    from plain_loop import train
+
+    train(target())

@@ -1,51 +1,94 @@
-"""fp16 underflow: sigmoid of a confident logit flushes to 0, and the "+ 1e-8" guard is a no-op.
+"""fp16 underflow: sigmoid of a very negative margin is 0, and ``+ 1e-8`` does not save the log.
 
-A click-through-rate model computes its binary cross-entropy by hand inside its ``head`` module:
-``-log(sigmoid(z) + 1e-8)``. Under fp16 autocast the logits and the sigmoid are fp16. At step 2
-a batch with large feature values makes the model confident; sigmoid(z) for z around -20 is
-2e-9, below fp16's smallest subnormal (6e-8), so it becomes exactly 0, and 1e-8 is itself 0 in
-fp16. log(0) = -inf. In fp32 the same step is finite.
+A fraud classifier computes its loss inside the model, in a ``head`` module:
+``p = sigmoid(logit)``, then ``-log(p_true + 1e-8)`` where ``p_true`` is ``p``
+for fraud and ``1 - p`` otherwise; the ``1e-8`` is the usual "avoid log(0)"
+epsilon. It trains under fp16 autocast
+(CPU autocast keeps ``sigmoid``, ``add`` and ``log`` in fp16 when their input
+is fp16, and on CUDA ``sigmoid`` and ``add`` stay fp16 too).
 
-Expected diagnosis: underflow (then log), forward, module ``head``.
+The features are raw transaction amounts, not standardised. At step 2 the
+batch contains a mislabelled sample (sample 3: a legitimate transaction about
+35 times larger than usual, labelled as fraud); a ReLU network's logit grows
+with the size of its input, so the model is confidently wrong about it: its
+logit is about -19. In fp32 sigmoid(-19) = 5.6e-9, ``+ 1e-8`` keeps the log
+finite and the loss is ~18 for that sample. In fp16 the smallest positive
+number is 6e-8: sigmoid(-19) underflows to exactly 0, and
+``1e-8`` rounds to 0 as well, so the head computes log(0) = -inf and the loss
+is +inf. ``F.binary_cross_entropy_with_logits`` (or ``F.logsigmoid``) computes
+the same loss without ever forming the probability.
+
+Expected diagnosis: cause ``underflow``, phase ``forward``, module ``head``
+(the -inf is produced by ``aten.log`` from a 0 that ``aten.sigmoid`` flushed
+to zero), step 2, sample 3; finite in fp32 and bf16.
 """
+
+from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-class BCEHead(nn.Module):
-    """Binary cross-entropy written out by hand (the fused BCE-with-logits avoids all of this)."""
-
-    def forward(self, z, y):
-        p = torch.sigmoid(z)
-        return -(y * torch.log(p + 1e-8) + (1 - y) * torch.log(1 - p + 1e-8)).mean()
+N_FEATURES, BATCH_SIZE, N_STEPS = 8, 16, 20
 
 
-class CTRModel(nn.Module):
-    def __init__(self, features: int = 12):
+class LogisticHead(nn.Module):
+    """Logit, then the negative log-likelihood of the true label, per sample."""
+
+    def __init__(self, hidden: int):
         super().__init__()
-        self.tower = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.head = BCEHead()
+        self.linear = nn.Linear(hidden, 1)
 
-    def forward(self, x, y):
-        return self.head(self.tower(x).squeeze(-1), y)
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logit = self.linear(h).squeeze(-1)
+        p = torch.sigmoid(logit)                   # P(fraud)
+        p_true = torch.where(y > 0.5, p, 1 - p)    # probability of the true label
+        return -torch.log(p_true + 1e-8)
 
 
-def make_batches(steps: int = 6):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for step in range(steps):
-        x = torch.randn(32, 12, generator=g)
-        y = (torch.rand(32, generator=g) < 0.3).float()
+class FraudClassifier(nn.Module):
+    def __init__(self, n_features: int = N_FEATURES, hidden: int = 32):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(),
+                                  nn.Linear(hidden, hidden), nn.ReLU())
+        self.head = LogisticHead(hidden)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x), y)
+
+
+def make_batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.randn(N_FEATURES, generator=g)
+    batches = []
+    for step in range(N_STEPS):
+        x = 4.0 * torch.randn(BATCH_SIZE, N_FEATURES, generator=g)   # raw amounts: not standardised
+        y = (x @ direction > 0).float()
         if step == 2:
-            x = x * 40          # un-normalized features from a new data source
-            y = torch.ones(32)  # ... that are all positive clicks
-        out.append({"features": x, "clicked": y})
-    return out
+            # A legitimate transaction ~35x larger than usual, labelled as fraud by mistake.
+            x[3] = -400.0 * direction / direction.norm()
+            y[3] = 1.0
+        batches.append({"features": x, "label": y})
+    return batches
+
+
+def nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["features"], batch["label"]).mean()
 
 
 def target():
     torch.manual_seed(0)
-    model = CTRModel()
-    return {"model": model, "loss_fn": lambda m, b: m(b["features"], b["clicked"]), "batches": make_batches(),
-            "optimizer": torch.optim.SGD(model.parameters(), lr=0.01), "precision": "fp16"}
+    model = FraudClassifier()
+    return {
+        "model": model,
+        "loss_fn": nll,
+        "batches": make_batches(),
+        "optimizer": torch.optim.Adam(model.parameters(), lr=1e-2),
+        "precision": "fp16",
+        "grad_scaler": False,
+    }
+
+
+if __name__ == "__main__":
+    from plain_loop import train
+
+    train(target())

@@ -1,48 +1,86 @@
-"""The masked-NaN trap: torch.where hides log(0) in the forward pass, not in the gradient.
+"""The masked-NaN trap: ``torch.where`` hides log(0) in the forward pass but not in the gradient.
 
-A model computes a "safe" log of non-negative rates with
-``torch.where(x > 0, torch.log(x), 0)``. The forward value is finite, so the loss looks fine, but
-autograd differentiates both branches: d/dx log(x) at x = 0 is 1/0, multiplied by the zero
-gradient the mask sends, gives NaN, and the NaN lands in the weights.
+A keyword-spotting model frames the waveform, passes each frame through a
+learned filterbank (``Linear(bias=False)``), takes the energy of every filter
+output and compresses it with a "safe" log in its ``safe_log`` module::
 
-Expected diagnosis: log, forward (born in the log, masked), module ``safe_log``.
+    torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+Clips shorter than one second are zero-padded. The first short clip arrives at
+step 2 (sample 5): its padded frames are exactly zero, the filterbank output
+and the energy are exactly zero, and ``log(0) = -inf`` - which ``where``
+discards, so the forward pass and the loss are finite. Autograd, however,
+differentiates both branches: the masked branch receives a zero gradient and
+``LogBackward0`` computes 0 / 0 = NaN; ``PowBackward0`` multiplies it by the
+zero frames (0 * NaN = NaN), and the NaN lands in ``filterbank.weight``.
+``torch.log(x.clamp(min=eps))`` or ``torch.log(torch.where(x > 0, x, 1))``
+avoid it.
+
+Expected diagnosis: cause ``log``, phase ``forward`` (born in the masked
+``aten.log`` of ``safe_log``; it shows up first in the gradients), module
+``safe_log``, step 2, sample 5.
 """
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+SAMPLE_RATE, FRAME, HOP, N_FILTERS, N_CLASSES, BATCH_SIZE, N_STEPS = 1600, 64, 32, 16, 3, 8, 20
+
 
 class SafeLog(nn.Module):
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
 
 
-class RateModel(nn.Module):
-    def __init__(self):
+class KeywordSpotter(nn.Module):
+    def __init__(self, n_classes: int = N_CLASSES):
         super().__init__()
-        self.scale = nn.Linear(5, 5)
+        self.filterbank = nn.Linear(FRAME, N_FILTERS, bias=False)
         self.safe_log = SafeLog()
-        self.head = nn.Linear(5, 1)
+        self.classifier = nn.Sequential(nn.Linear(N_FILTERS, 32), nn.ReLU(), nn.Linear(32, n_classes))
 
-    def forward(self, counts):
-        rates = counts * torch.sigmoid(self.scale(counts))  # zero wherever a count is zero
-        return self.head(self.safe_log(rates)).squeeze(-1)
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        frames = audio.unfold(-1, FRAME, HOP)              # (B, n_frames, FRAME)
+        energy = self.filterbank(frames) ** 2               # (B, n_frames, N_FILTERS)
+        features = self.safe_log(energy).mean(dim=1)        # average log-energy per filter
+        return self.classifier(features)
 
 
-def make_batches(steps: int = 5):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for step in range(steps):
-        counts = torch.poisson(torch.full((8, 5), 3.0), generator=g) + 1
+def make_batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """One-second clips: a class-specific tone in noise, zero-padded when the recording is short."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(SAMPLE_RATE) / SAMPLE_RATE
+    batches = []
+    for step in range(N_STEPS):
+        label = torch.randint(0, N_CLASSES, (BATCH_SIZE,), generator=g)
+        freq = 100.0 * (label + 1).float()[:, None]
+        audio = torch.sin(2 * torch.pi * freq * t) + 0.3 * torch.randn(BATCH_SIZE, SAMPLE_RATE, generator=g)
         if step == 2:
-            counts[4, 1] = 0.0  # a zero count: log(0) in the masked branch
-        out.append((counts, torch.randn(8, generator=g)))
-    return out
+            audio[5, 1000:] = 0.0  # a 0.6 s recording, zero-padded to one second
+        batches.append({"audio": audio, "label": label})
+    return batches
+
+
+def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch["audio"]), batch["label"])
 
 
 def target():
     torch.manual_seed(0)
-    model = RateModel()
-    return {"model": model, "loss_fn": lambda m, b: F.mse_loss(m(b[0]), b[1]), "batches": make_batches(),
-            "optimizer": torch.optim.SGD(model.parameters(), lr=0.01)}
+    model = KeywordSpotter()
+    return {
+        "model": model,
+        "loss_fn": classification_loss,
+        "batches": make_batches(),
+        "optimizer": torch.optim.Adam(model.parameters(), lr=1e-2),
+        "precision": "fp32",
+    }
+
+
+if __name__ == "__main__":
+    from plain_loop import train
+
+    train(target())

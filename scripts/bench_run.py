@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -76,15 +77,25 @@ def main() -> None:
     def diagnosis():
         diagnose_target(loaded, reached=reached, config=cfg)
 
+    class _Empty(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def empty_mode():  # the floor: Python dispatch alone, no checks
+        with _Empty():
+            run_step(target, reached, prec, where=loaded.where, instrument=False)
+
     base = _median_time(plain, args.repeats * 3)
     t_inst = _median_time(instrumented, args.repeats)
     t_anom = _median_time(anomaly, args.repeats)
     t_diag = _median_time(diagnosis, max(3, args.repeats // 2))
+    t_empty = _median_time(empty_mode, args.repeats)
     params = sum(p.numel() for p in target.model.parameters())
     print(f"entry: {args.entry}  step {reached.step}  precision {prec.value}  params {params:,}  "
           f"device {next(target.model.parameters()).device}  threads {torch.get_num_threads()}")
     print(f"plain step (restore + step):         {base * 1e3:8.2f} ms   1.00x")
     print(f"detect_anomaly step:                 {t_anom * 1e3:8.2f} ms   {t_anom / base:5.2f}x")
+    print(f"empty TorchDispatchMode (floor):     {t_empty * 1e3:8.2f} ms   {t_empty / base:5.2f}x")
     print(f"instrumented rerun (one precision):  {t_inst * 1e3:8.2f} ms   {t_inst / base:5.2f}x")
     print(f"full `run` diagnosis of the step:    {t_diag * 1e3:8.2f} ms   {t_diag / base:5.2f}x  "
           f"(instrumented rerun + reference + {len(cfg.run.precisions)} precisions + fix verification)")

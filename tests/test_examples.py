@@ -17,6 +17,7 @@ from nanprobe.report import Status
 TABLE = [
     ("data_nan_features.py", 3, "data", "input", None),
     ("data_all_ignored.py", 2, "data", "input", None),
+    ("fp16_attention_overflow.py", 9, "overflow", "forward", "blocks.0.attn"),
     ("fp16_padding_mask_overflow.py", 3, "overflow", "forward", "blocks.0.attn"),
     ("fp16_underflow_log.py", 2, "underflow", "forward", "head"),
     ("poisson_log_zero.py", 0, "log", "forward", "head"),
