@@ -203,6 +203,12 @@ def _lr_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
             and (ev.origin is None or ev.origin.phase is Phase.UPDATE):
         lines.append(f"this step's update ratio |dw|/|w| is {_g(this_ratio)}")
         strength = max(strength, 0.7)
+    sched = ev.reached.scheduler_base_lrs
+    if cur is not None and sched and cur > max(sched) * 1.0001 and ev.reached.scheduler_kind in ("LambdaLR",
+                                                                                               "MultiplicativeLR"):
+        lines.append(f"{ev.reached.scheduler_kind} drives the LR to {_g(cur)}, {cur / max(sched):.3g}x its base "
+                     f"LR {_g(max(sched))}: the multiplier should stay <= 1")
+        strength = max(strength, 0.5) + (0.2 if strength else 0)
     norms = [h.grad_norm for h in hist if h.grad_norm is not None and math.isfinite(h.grad_norm)]
     if len(norms) >= 4 and norms[-1] > 100 * statistics.median(norms[:-1]):
         lines.append(f"gradient norm grew to {_g(norms[-1])} (median {_g(statistics.median(norms[:-1]))})")
@@ -212,7 +218,7 @@ def _lr_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     if source:
         pname = max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
-        lines.append(f"largest relative update: {pname} ({_g(source[pname])})")
+        lines.insert(0, f"largest relative update: {pname} ({_g(source[pname])})")
     return lines, module, strength
 
 

@@ -168,7 +168,7 @@ def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
     lrs = [h.lr for h in ev.reached.history if h.lr is not None]
     peak = max(lrs) if lrs else None
     base = min(lrs) if lrs else None
-    hint = f"  # the LR reached {peak:.3g} (started at {base:.3g})" if peak and base else ""
+    hint = f"\n# your LR went from {base:.3g} to {peak:.3g} in {len(lrs)} steps" if peak and base else ""
     return Fix(title="Fix the schedule: warm up to a lower peak learning rate",
                code="warmup = 1000  # steps\n"
                     "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
@@ -312,9 +312,12 @@ def _determinism(f: Finding, ev: Evidence) -> Fix | None:
 @fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
 def _guard(f: Finding, ev: Evidence) -> Fix | None:
     return Fix(title="Skip bad updates in the real run with nanprobe.Guard (writes a capsule to replay)",
-               code="guard = nanprobe.Guard(model, optimizer)\nfor step, batch in enumerate(loader):\n"
-                    "    with guard.step(step, batch):\n        loss = loss_fn(model, batch)\n"
-                    "        loss.backward()\n    guard.optimizer_step()  # skipped if loss/grads are non-finite",
+               code="guard = nanprobe.Guard(model, optimizer, entry=\"train.py:target\")\n"
+                    "for step, batch in enumerate(loader):\n"
+                    "    with guard.step(batch):\n        loss = loss_fn(model, batch)\n"
+                    "        guard.backward(loss)\n"
+                    "    if guard.optimizer_step(max_grad_norm=1.0):  # False: skipped (non-finite or spike)\n"
+                    "        scheduler.step()",
                why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
 
 
@@ -336,11 +339,11 @@ def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, An
                     if key not in cache:
                         cache[key] = verify(dict(overrides))
                     result = cache[key]
-                    note = ", ".join(f"{k}={v.value if hasattr(v, 'value') else v}" for k, v in overrides.items())
-                    fix = dataclasses.replace(fix, verified=result,
-                                              verify_note=f"rerun of step {ev.reached.step} with {note}: "
-                                                          + {True: "finite", False: "still non-finite",
-                                                             None: "could not run"}[result])
+                    if result is not None:
+                        note = ", ".join(f"{k}={v.value if hasattr(v, 'value') else v}" for k, v in overrides.items())
+                        fix = dataclasses.replace(fix, verified=result,
+                                                  verify_note=f"rerun of step {ev.reached.step} with {note}: "
+                                                              + ("finite" if result else "still non-finite"))
             fixes.append(fix)
         fixes.sort(key=lambda x: {True: 0, None: 1, False: 2}[x.verified])
         out.append(dataclasses.replace(f, fixes=tuple(fixes)))

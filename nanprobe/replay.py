@@ -42,6 +42,8 @@ class Reached:
     reached_by: str = "replay from step 0"
     notes: list[str] = field(default_factory=list)
     policy: str = "native"             # autocast op policy: native, or "cuda" emulated on CPU
+    scheduler_kind: str | None = None  # e.g. "LambdaLR"
+    scheduler_base_lrs: tuple[float, ...] = ()
 
 
 def batch_source(target: Target) -> Callable[[int], Any]:
@@ -61,6 +63,15 @@ def batch_source(target: Target) -> Callable[[int], Any]:
         return call_user("next(batches)", next, it)
 
     return get
+
+
+def scheduler_info(target: Target) -> dict[str, Any]:
+    sched = target.scheduler
+    if sched is None:
+        return {}
+    base = getattr(sched, "base_lrs", None) or []
+    return {"scheduler_kind": type(sched).__name__,
+            "scheduler_base_lrs": tuple(float(b) for b in base if isinstance(b, (int, float)))}
 
 
 class _Spikes:
@@ -198,7 +209,8 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
                 notes.append(f"step {step} already failed before --at {at} ({reason}); diagnosing step {step}.")
             return Reached(step=step, batch=pristine, snapshot=snap, precision=precision, scaler=scaler,
                            status=status, reason=reason, record=record, history=list(history),
-                           update_ratios=ratios, reached_by=reached_by, notes=notes, policy=policy)
+                           update_ratios=ratios, reached_by=reached_by, notes=notes, policy=policy,
+                           **scheduler_info(target))
         spikes.add(record.loss, record.grad_norm)
         history.append(record)
         ratios = step_ratios
