@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .compare import compare_precisions  # noqa: E402
 from .diagnose import diagnose  # noqa: E402
 from .report import Cause, Finding, Fix, Origin, Phase, Report, Status  # noqa: E402
 from .target import Target  # noqa: E402
@@ -16,5 +17,6 @@ __all__ = [
     "Status",
     "Target",
     "__version__",
+    "compare_precisions",
     "diagnose",
 ]
