@@ -31,6 +31,9 @@ TABLE = [
     ("flaky_not_reproduced.py", 4, "not_reproduced", None, None),
 ]
 HEALTHY = ["healthy_mlp.py", "healthy_transformer.py"]
+# fp16 overflow margins that depend on the kernels: |q.k| reaches 7.5e4 at step 9 with CPU kernels,
+# while CUDA's fp16 matmuls keep that step finite (seen on an H100); checked on CPU only.
+CPU_ONLY = {"fp16_attention_overflow.py"}
 
 
 cuda_test = pytest.mark.cuda_test
@@ -41,6 +44,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[cuda_test, pytest.mark.skipif(not 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, step, cause, phase, module", TABLE, ids=[row[0] for row in TABLE])
 def test_example_diagnosis(name, step, cause, phase, module, device):
+    if device == "cuda" and name in CPU_ONLY:
+        pytest.skip("the overflow margin of this example is specific to CPU kernels")
     report = diagnose(example(name) + ":target", device=None if device == "cpu" else device)
     assert report.device.startswith(device)
     assert report.status in (Status.NONFINITE, Status.SPIKE)
