@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from .compare import compare_precisions  # noqa: E402
 from .diagnose import diagnose  # noqa: E402
 from .report import Cause, Finding, Fix, Origin, Phase, Report, Status  # noqa: E402
+from .scan import ScanResult, scan_data  # noqa: E402
 from .target import Target  # noqa: E402
 
 __all__ = [
@@ -14,9 +15,11 @@ __all__ = [
     "Origin",
     "Phase",
     "Report",
+    "ScanResult",
     "Status",
     "Target",
     "__version__",
     "compare_precisions",
     "diagnose",
+    "scan_data",
 ]

@@ -38,7 +38,11 @@ MaxStepsOpt = Annotated[Optional[int], typer.Option("--max-steps", help="Without
 PolicyOpt = Annotated[str, typer.Option("--autocast-policy",
                                         help="Autocast op list: 'native' (the device's own) or 'cuda' (CUDA's "
                                              "float32 list emulated on CPU, for runs trained on a GPU).")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Move the model, optimizer state and batches "
+                                                                  "to this device first (cpu, cuda, cuda:1).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every finding's fixes and the history.")]
+CapsuleOpt = Annotated[Optional[Path], typer.Option("--capsule", metavar="FILE",
+                                                    help="Replay exactly the step a nanprobe.Guard capsule holds.")]
 
 _debug = False
 
@@ -113,8 +117,9 @@ def progress_printer(enabled: bool):
 @handles_errors
 def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, json_out: JsonOpt = None,
             config: ConfigOpt = None, max_steps: MaxStepsOpt = None, autocast_policy: PolicyOpt = "native",
-            verbose: VerboseOpt = False, debug: DebugOpt = False) -> None:
-    """Reach the step (replay from step 0 or load_state), rerun it instrumented, explain it, suggest fixes."""
+            verbose: VerboseOpt = False, debug: DebugOpt = False, capsule: CapsuleOpt = None,
+            device: DeviceOpt = None) -> None:
+    """Reach the step (capsule, load_state or replay from step 0), rerun it instrumented, explain it, suggest fixes."""
     from .diagnose import diagnose  # torch is imported lazily so --help stays fast
     _check_precision(precision)
     if autocast_policy not in ("native", "cuda"):
@@ -123,7 +128,7 @@ def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, j
     progress = progress_printer(json_out != "-" and sys.stderr.isatty())
     try:
         report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps, on_progress=progress,
-                          policy=autocast_policy)
+                          policy=autocast_policy, capsule=None if capsule is None else str(capsule), device=device)
     finally:
         if progress:
             progress.stop()
@@ -132,6 +137,144 @@ def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, j
         render_report(report, console(), verbose=verbose)
     emit_json(report.to_json(), json_out)
     raise typer.Exit(report.exit_code)
+
+
+StepsOpt = Annotated[int, typer.Option("--steps", "-n", help="Training steps to run from scratch.")]
+JunitOpt = Annotated[Optional[Path], typer.Option("--junit", metavar="FILE",
+                                                  help="Write JUnit XML to FILE (one testcase per check) for CI.")]
+CapsuleDirOpt = Annotated[Optional[Path], typer.Option("--capsule-dir", metavar="DIR",
+                                                       help="Where the bad step's capsule goes "
+                                                            "(default: guard.capsule_dir).")]
+
+
+@app.command("smoke")
+@handles_errors
+def smoke_cmd(entry: EntryArg, steps: StepsOpt = 20, precision: PrecisionOpt = None, json_out: JsonOpt = None,
+              junit: JunitOpt = None, config: ConfigOpt = None, capsule_dir: CapsuleDirOpt = None,
+              verbose: VerboseOpt = False, debug: DebugOpt = False) -> None:
+    """CI check: train N steps from scratch under nanprobe.Guard; exit 1 with the diagnosis of the first bad step."""
+    from .smoke import smoke, write_junit
+    _check_precision(precision)
+    if steps < 1:
+        raise UsageError(f"--steps {steps} is not a positive number of steps", "--steps", "Give N >= 1")
+    cfg = config_from(config)
+    progress = progress_printer(json_out != "-" and sys.stderr.isatty())
+    try:
+        result = smoke(entry, steps=steps, precision=precision, config=cfg, capsule_dir=capsule_dir,
+                       on_progress=progress)
+    except NanprobeError as err:
+        if junit is not None:
+            write_junit(junit, None, entry=entry, error=err.message)
+        raise
+    finally:
+        if progress:
+            progress.stop()
+    if json_out != "-":
+        from .render import render_smoke
+        render_smoke(result, console(), verbose=verbose)
+    emit_json(result.to_json(), json_out)
+    if junit is not None:
+        write_junit(junit, result)
+    raise typer.Exit(result.exit_code)
+
+
+PrecisionsOpt = Annotated[Optional[str], typer.Option(
+    "--precisions", metavar="LIST",
+    help="Comma-separated subset of fp64,fp32,tf32,bf16,fp16,fp16+scaler (default: all; the reference always runs).")]
+TopOpt = Annotated[Optional[int], typer.Option("--top", help="Modules per per-layer table (default: compare.top).")]
+PlotOpt = Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png",
+                                                 help="Plot per-layer |activation| and |gradient| maxima per "
+                                                      "precision (needs matplotlib: the nanprobe\\[plot] extra).")]
+
+
+@app.command("compare-precisions")
+@handles_errors
+def compare_cmd(entry: EntryArg, at: AtOpt = None, precisions: PrecisionsOpt = None, top: TopOpt = None,
+                plot: PlotOpt = None, json_out: JsonOpt = None, config: ConfigOpt = None,
+                debug: DebugOpt = False) -> None:
+    """Rerun the same step under fp64, fp32, tf32, bf16, fp16 and fp16+GradScaler; compare with the reference."""
+    from .compare import compare_precisions, parse_precisions, plot_comparison, require_matplotlib
+    names = parse_precisions(precisions)
+    if top is not None and top < 1:
+        raise UsageError(f"--top {top} is not a positive count", "--top", "Give a number of modules >= 1")
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
+        require_matplotlib()
+    cfg = config_from(config)
+    progress = progress_printer(json_out != "-" and sys.stderr.isatty())
+    try:
+        result = compare_precisions(entry, at=at, precisions=names, top=top, config=cfg, on_progress=progress)
+    finally:
+        if progress:
+            progress.stop()
+    if plot is not None:
+        plot_comparison(result, plot)
+    if json_out != "-":
+        from .render import render_comparison
+        render_comparison(result, console())
+        if plot is not None:
+            console().print(f"[dim]plot written to {plot}[/]")
+    emit_json(result.to_json(), json_out)
+    raise typer.Exit(result.exit_code)
+
+
+LimitOpt = Annotated[Optional[int], typer.Option("--limit", metavar="N",
+                                                help="Scan at most the first N batches (default: all).")]
+NumClassesOpt = Annotated[Optional[int], typer.Option("--num-classes", metavar="K",
+                                                      help="Labels must be < K (default: the target's num_classes, "
+                                                           "else the model's output width).")]
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _scan_progress(enabled: bool):
+    """A rich progress bar (batches/s, problems found) on stderr; None when quiet."""
+    if not enabled:
+        return None
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    bar = Progress(SpinnerColumn(), TextColumn("scanning"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]:.0f} batches/s · {task.fields[problems]} problem(s)"),
+                   TimeElapsedColumn(), console=console(stderr=True), transient=True)
+    task = bar.add_task("scan", total=None, rate=0.0, problems=0)
+    bar.start()
+    start, last = time.monotonic(), [0.0]
+
+    def update(done: int, total: int | None, problems: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.1 or done == total:   # rich redraws on its own timer; keep this call cheap
+            last[0] = now
+            bar.update(task, completed=done, total=total, rate=done / max(now - start, 1e-9), problems=problems)
+
+    update.stop = bar.stop  # type: ignore[attr-defined]
+    return update
+
+
+@app.command("scan-data")
+@handles_errors
+def scan_data_cmd(entry: EntryArg, limit: LimitOpt = None, precision: PrecisionOpt = None,
+                  num_classes: NumClassesOpt = None, json_out: JsonOpt = None, config: ConfigOpt = None,
+                  debug: DebugOpt = False) -> None:
+    """Iterate the batches (no training) and report every NaN/Inf, empty, out-of-range or extreme value."""
+    from .scan import scan_data
+    _check_precision(precision)
+    cfg = config_from(config)
+    progress = _scan_progress(json_out != "-" and sys.stderr.isatty() and not _in_ci())
+    try:
+        result = scan_data(entry, limit=limit, precision=precision, num_classes=num_classes, config=cfg,
+                           on_progress=progress)
+    finally:
+        if progress:
+            progress.stop()
+    if json_out != "-":
+        from .render import render_scan
+        render_scan(result, console())
+    emit_json(result.to_json(), json_out)
+    raise typer.Exit(result.exit_code)
 
 
 def _check_precision(precision: str | None, allowed=("fp32", "bf16", "fp16")) -> None:

@@ -43,6 +43,12 @@ class ScanConfig:
     warmup_batches: int = 8
     max_examples: int = 5
     ignore_index: int = -100
+    typical_factor: float = 2.0
+    max_problems: int = 1000
+    infer_num_classes: bool = True
+    infer_max_params: int = 100_000_000
+    callable_batches: int = 10000
+    moments_every: int = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,11 +62,18 @@ class GuardConfig:
     max_consecutive_skips: int = 5
     capsule_dir: str = "nanprobe-capsules"
     max_capsules: int = 10
+    max_scaler_skips: int = 8
+    history: int = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompareConfig:
     top: int = 8
+    loss_tolerance: float = 0.02
+    min_cosine: float = 0.99
+    underflow_share: float = 0.05
+    max_scale_halvings: int = 24
+    max_reference_mb: float = 2048.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -169,3 +169,140 @@ def render_smoke(result, console: Console, *, verbose: bool = False) -> None:
         console.print(_history(r))
     for note in tuple(result.notes) + r.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+def render_comparison(cmp, console: Console) -> None:
+    """`nanprobe compare-precisions`: one row per precision, the per-layer top-k tables, the recommendation."""
+    bad = [name for name, r in cmp.precisions.items() if r.ran and not r.finite]
+    title = "every precision finite" if not bad else f"non-finite in {', '.join(bad)}"
+    lines = Table.grid(padding=(0, 2))
+    lines.add_column(style="bold")
+    lines.add_column()
+    lines.add_row("step", f"{cmp.step}  (reached by {cmp.reached_by})" if cmp.reached_by else str(cmp.step))
+    lines.add_row("run", f"{cmp.entry}  ·  trains in {cmp.precision}  ·  {cmp.device}  ·  reference {cmp.reference}"
+                  + (f"  ·  {cmp.autocast_policy}" if cmp.autocast_policy else ""))
+    console.print(Panel(lines, title=f"[bold]nanprobe compare-precisions: {title}[/]", title_align="left",
+                        border_style="red" if bad else "green"))
+    t = Table(title=f"The same step in each precision (errors vs {cmp.reference})", title_justify="left")
+    for col in ("precision", "loss", "loss err", "grad norm", "grad cos", "headroom act", "headroom grad",
+                "underflow", "first non-finite / note"):
+        t.add_column(col, justify="left" if col in ("precision", "first non-finite / note") else "right")
+    for name, r in cmp.precisions.items():
+        label = name + (" (ref)" if r.reference else "")
+        if not r.ran:
+            t.add_row(label, *["-"] * 7, f"[dim]{r.note}[/]")
+            continue
+        o = r.origin
+        note = f"[red]{o.phase.value} {o.module or '(model)'} {o.node or o.op} → {o.kind}[/]" if o and not r.finite \
+            else ""
+        if r.scaler is not None:
+            sc = r.scaler
+            note = (note + " " if note else "") + (
+                f"GradScaler at {sc.scale:g}: " + (f"skips, settles at {sc.settled_scale:g}" if sc.skipped and
+                                                    sc.settled_scale else "skips at any scale" if sc.skipped else
+                                                    "passes"))
+        t.add_row(label, g(r.loss), "-" if r.reference else _share_pct(r.loss_rel_err) if r.loss_rel_err is not None
+                  and math.isfinite(r.loss_rel_err) else g(r.loss_rel_err),
+                  g(r.grad_norm), "-" if r.grad_cosine is None else f"{r.grad_cosine:.5f}",
+                  _bits(r.act_headroom_bits), _bits(r.grad_headroom_bits), _share_pct(r.underflow), note or "-",
+                  style=None if r.finite else "red")
+    console.print(t)
+    for title, rows, fmt in ((f"Modules that lose most accuracy vs {cmp.reference} (relative error)",
+                              cmp.least_accurate, g),
+                             ("Modules closest to overflow (bits of headroom below the dtype's max)",
+                              cmp.closest_to_overflow, _bits),
+                             ("Modules deepest in underflow (share of values flushed to zero/subnormal)",
+                              cmp.deepest_underflow, _share_pct)):
+        if not rows:
+            continue
+        lt = Table(title=title, title_justify="left")
+        for col in ("precision", "module", "value", "detail"):
+            lt.add_column(col, justify="right" if col == "value" else "left")
+        for x in rows:
+            lt.add_row(x.precision, x.module, fmt(x.value), x.detail)
+        console.print(lt)
+    console.print(Panel(Text(cmp.recommendation), title="[bold]recommendation[/]", title_align="left",
+                        border_style="green" if cmp.recommended else "yellow"))
+    for note in cmp.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+
+def _bits(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "-inf" if x < 0 else "inf"
+    return f"{x:.1f}"
+
+
+def _shape_range(lo: tuple[int, ...], hi: tuple[int, ...]) -> str:
+    if not hi:
+        return "()"
+    if len(lo) != len(hi):
+        return "×".join(map(str, hi)) + " (rank varies)"
+    return "×".join(str(a) if a == b else f"{a}..{b}" for a, b in zip(lo, hi))
+
+
+def render_scan(result, console: Console, *, max_rows: int = 20) -> None:
+    """`nanprobe scan-data`: verdict, the problems (step, key, samples), then the per-key summary."""
+    r = result
+    lines = Table.grid(padding=(0, 2))
+    lines.add_column(style="bold")
+    lines.add_column()
+    if r.errors:
+        first = r.first_error_step
+        title, style = (f"{r.errors} error(s), {r.warnings} warning(s); first bad batch at step {first}", "red")
+    elif r.warnings:
+        title, style = f"no errors, {r.warnings} warning(s)", "yellow"
+    else:
+        title, style = "clean: no problem found", "green"
+    lines.add_row("scanned", f"{r.batches_scanned} batches" + ("" if r.complete else " (stopped at --limit)"))
+    lines.add_row("data", f"{r.entry}  ·  {r.precision}"
+                  + (f" (values beyond ±{r.range_max:g} overflow)" if r.range_max else "") + f"  ·  {r.device}")
+    labels = f"num_classes {r.num_classes} ({r.num_classes_source})" if r.num_classes else "num_classes unknown"
+    lines.add_row("labels", f"{labels}  ·  ignore_index {r.ignore_index}")
+    console.print(Panel(lines, title=f"[bold]nanprobe scan-data: {title}[/]", border_style=style,
+                        title_align="left"))
+    if r.problems:
+        t = Table(title="Problems (by step)", title_justify="left", expand=True)
+        key_width = min(40, max(len(p.key) for p in r.problems[:max_rows]))
+        for col in ("step", "level", "problem", "key", "samples", "detail"):
+            t.add_column(col, justify="right" if col == "step" else "left", ratio=1 if col == "detail" else None,
+                         overflow="fold", min_width=key_width if col == "key" else None)
+        for p in r.problems[:max_rows]:
+            level = "[red]error[/]" if p.level == "error" else "[yellow]warning[/]"
+            samples = ", ".join(map(str, p.samples)) + (" …" if p.count > len(p.samples) and p.samples else "")
+            t.add_row(str(p.step), level, p.code, p.key, samples or "-", p.message)
+        console.print(t)
+        more = r.problems_total - min(len(r.problems), max_rows)
+        if more > 0:
+            console.print(f"[dim]… and {more} more problem(s); --json OUT lists "
+                          f"{'them' if r.problems_total == len(r.problems) else f'the first {len(r.problems)}'}[/]")
+    if r.summary:
+        sampled = max((s.moment_batches for s in r.summary), default=0)
+        caption = (f"mean/std from {sampled} of {r.batches_scanned} batches (scan.moments_every); min/max and checks "
+                   "from all" if 0 < sampled < r.batches_scanned and console.width >= 100 else None)
+        t = Table(title="Per key", title_justify="left", caption=caption, caption_justify="left")
+        key_width = min(40, max(len(s.key) for s in r.summary))
+        wide = console.width >= 100 + max(0, key_width - 20)   # narrow terminals: no mean/std columns
+        cols = ("key", "dtype", "shape", "min", "max") + (("mean", "std") if wide else ()) + ("problems",)
+        for col in cols:
+            t.add_column(col, justify="right" if col in ("min", "max", "mean", "std") else "left",
+                         min_width=key_width if col == "key" else None,
+                         overflow="fold" if col in ("key", "problems") else "ellipsis")
+        for s in r.summary:
+            probs = ", ".join(f"{c}×{n}" for c, n in s.problems.items()) or "-"
+            kind = ", ".join(s.dtypes) + ("" if s.role in ("float", "int") else f" {s.role}") \
+                + (" ragged" if s.ragged else "")
+            row = [s.key, kind, _shape_range(s.shape_min, s.shape_max), g(s.min), g(s.max)]
+            row += [g(s.mean), g(s.std)] if wide else []
+            t.add_row(*row, probs, style="red" if any(c not in ("outlier", "constant") for c in s.problems) else None)
+        console.print(t)
+    for note in r.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+
+def _share_pct(x) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else f"{100 * x:.0f}%" if x >= 0.1 else f"{100 * x:.2g}%"
