@@ -17,7 +17,7 @@ from .instrument import Event, Probe
 from .precision import Precision, describe_device, device_of, limits, parse_precision
 from .replay import NoBadStep, Reached, reach
 from .report import Origin, PrecisionResult, Report, Status
-from .rerun import StepTrace, run_step
+from .rerun import StepTrace, resolve_backward_source, run_step
 from .target import Target
 
 
@@ -77,6 +77,8 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     prec = reached.precision
     progress(f"rerunning step {reached.step} instrumented ({prec.value})")
     main = run_step(target, reached, prec, where=where)
+    if resolve_backward_source(target, reached, main, where=where):
+        progress("reran once more for the forward line of the backward origin")
     data = check_batch(reached.batch, step=reached.step, ignore_index=target.ignore_index,
                        num_classes=target.num_classes, range_max=limits(prec.dtype).max if prec.low else None,
                        max_examples=cfg.scan.max_examples)
@@ -170,11 +172,21 @@ def _event_json(e: Event) -> dict[str, Any]:
 
 def diagnose(entry: str, *, at: int | None = None, precision: str | None = None, config: Config | None = None,
              max_steps: int | None = None, on_progress: Callable[[str], None] | None = None,
-             policy: str = "native") -> Report:
-    """Load ENTRY, reach step ``at`` (or the first bad step), rerun it instrumented and explain it."""
-    loaded = load_target(entry)
-    return diagnose_target(loaded, at=at, precision=precision, config=config, max_steps=max_steps,
-                           on_progress=on_progress, policy=policy)
+             policy: str = "native", capsule: str | None = None, device: str | None = None) -> Report:
+    """Load ENTRY, reach step ``at`` (or the first bad step), rerun it instrumented and explain it.
+
+    The state comes from ``capsule`` (a file nanprobe.Guard wrote), else from a capsule for step
+    ``at`` in guard.capsule_dir, else from replay (or the target's load_state).
+    """
+    from dataclasses import replace
+
+    from .capsule import capsule_reach
+    loaded = load_target(entry, device=device)
+    config = config or load_config()
+    reached, notes = capsule_reach(loaded, config, capsule=capsule, at=at, precision=precision, policy=policy)
+    report = diagnose_target(loaded, at=at, precision=precision, config=config, max_steps=max_steps,
+                             on_progress=on_progress, policy=policy, reached=reached)
+    return replace(report, notes=tuple(notes) + report.notes) if notes else report
 
 
 __all__ = ["diagnose", "diagnose_target", "origin_of"]

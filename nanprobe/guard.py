@@ -1,0 +1,529 @@
+"""`nanprobe.Guard`: a near-zero-overhead sentinel for the user's own training loop.
+
+On a non-finite loss or gradient, or a loss / gradient-norm spike, the guard skips that
+optimizer update (weights and optimizer state untouched), writes a capsule of the step, logs
+one line with the exact ``nanprobe run ENTRY --capsule PATH`` command, and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import capsule as _capsule
+from .config import Config, GuardConfig, _build, load_config
+from .errors import EXIT_FOUND, NanprobeError, UsageError
+from .precision import Precision, device_of, parse_precision
+
+logger = logging.getLogger("nanprobe.guard")
+
+POLICIES = ("skip", "raise", "record")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuardEvent:
+    """One bad step the guard caught."""
+
+    step: int
+    status: str               # "nonfinite" | "spike"
+    reason: str               # "loss is nan", "gradient-norm spike: ...", "another rank ..."
+    action: str               # "skipped" | "recorded" (update applied) | "raised"
+    local: bool               # this rank saw it itself (False: another rank did)
+    capsule: str | None       # the capsule written for this step
+    command: str | None       # the `nanprobe run ... --capsule ...` line
+    rank: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+class GuardTripped(NanprobeError):
+    """Raised by Guard.optimizer_step under policy 'raise', after too many consecutive skips, or when
+    the weights are already non-finite (skipping cannot recover them)."""
+
+    exit_code = EXIT_FOUND
+
+    def __init__(self, event: GuardEvent, why: str):
+        self.event = event
+        fix = f"Diagnose it: {event.command}" if event.command else "Diagnose it with nanprobe run ENTRY --at " \
+            f"{max(event.step - 1, 0)}"
+        super().__init__(f"nanprobe.Guard stopped training at step {event.step}: {event.reason}", why, fix)
+
+
+class _StepContext:
+    __slots__ = ("_guard", "_batch", "_step")
+
+    def __init__(self, guard: Guard, batch: Any, step: int | None):
+        self._guard, self._batch, self._step = guard, batch, step
+
+    def __enter__(self) -> int:
+        return self._guard._begin(self._batch, self._step)
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def _guard_config(config: Any) -> GuardConfig:
+    if config is None:
+        return load_config().guard
+    if isinstance(config, GuardConfig):
+        return config
+    if isinstance(config, Config):
+        return config.guard
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config).guard
+    if isinstance(config, Mapping):
+        return _build({"guard": dict(config)}, "Guard(config=...)", base=load_config()).guard
+    raise UsageError(f"Guard(config=...) got {type(config).__name__}", "nanprobe.Guard",
+                     "Pass a nanprobe Config, its .guard section, a YAML path or a dict of guard keys")
+
+
+def _distributed() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Guard:
+    """Skip bad optimizer updates in your own loop, and save the step for ``nanprobe run --capsule``.
+
+    The whole loop::
+
+        guard = nanprobe.Guard(model, optimizer, scaler=scaler, scheduler=scheduler,
+                               precision="bf16", entry="train.py:target")
+        for step, batch in enumerate(loader):
+            with guard.step(batch):                 # notes the RNG state (and BatchNorm-style buffers)
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = loss_fn(model, batch)
+                guard.backward(loss)                # (scaler.scale(loss) if scaler else loss).backward()
+            if guard.optimizer_step(max_grad_norm=1.0):   # clip, check, then step or skip
+                scheduler.step()                    # only when the update was applied
+
+    Cost: on a checked step (every ``check_every``-th, default all) the guard computes the global
+    gradient norm with foreach kernels (or reuses the one clipping computes) and reads the loss and
+    norm back in ONE device sync; RNG states are copied at step start (a few microseconds); weights
+    are never copied: when an update is skipped, the weights "before the step" are the current ones.
+    Under torch.distributed the bad flag is all-reduced (MAX) inside that same sync, so every rank
+    skips the same step; each rank writes its own capsule (rank in the file name).
+
+    A GradScaler's normal skipped steps (inf gradients while it lowers the scale) are not failures;
+    ``max_scaler_skips`` of them in a row are. Persistent buffers that change in the forward pass
+    (BatchNorm running stats) are copied at the start of checked steps and put back when a step is
+    skipped. Gradient accumulation: enter ``guard.step(...)`` for each micro-batch; the step number
+    advances at ``optimizer_step``, and a capsule holds the last micro-batch.
+    ``enabled=False`` turns the guard into the plain loop (no checks, no syncs).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 scaler: torch.amp.GradScaler | None = None, scheduler: Any = None,
+                 precision: str | Precision = "fp32", entry: str | None = None, config: Any = None,
+                 enabled: bool = True, *, policy: str | None = None, check_every: int | None = None,
+                 capsule_dir: str | os.PathLike | None = None, start_step: int = 0):
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"Guard(model=...) got {type(model).__name__}", "nanprobe.Guard",
+                             "Pass the torch.nn.Module being trained")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"Guard(optimizer=...) got {type(optimizer).__name__}", "nanprobe.Guard",
+                             "Pass the torch.optim.Optimizer that updates the model")
+        try:
+            self.precision = parse_precision(precision)
+        except ValueError:
+            raise UsageError(f"Guard(precision={precision!r}) is not a precision", "nanprobe.Guard",
+                             'Use "fp32", "bf16" or "fp16"') from None
+        cfg = _guard_config(config)
+        overrides = {k: v for k, v in (("policy", policy), ("check_every", check_every),
+                                       ("capsule_dir", None if capsule_dir is None else str(capsule_dir)))
+                     if v is not None}
+        if overrides:
+            cfg = _build({"guard": overrides}, "nanprobe.Guard(...)", base=Config(guard=cfg)).guard
+        if cfg.check_every < 1:
+            raise UsageError(f"guard.check_every is {cfg.check_every}", "nanprobe.Guard",
+                             "Use 1 to check every step, or k to check every k-th step")
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.entry = entry
+        self.cfg = cfg
+        self.enabled = bool(enabled)
+        self.capsule_dir = Path(cfg.capsule_dir).resolve()
+        self.events: list[GuardEvent] = []
+        self.capsules: list[Path] = []
+        self._device_type = device_of(_capsule.unwrap(model)).type
+        self._next = int(start_step)        # number of the next step
+        self._current: int | None = None    # number of the step in progress (after guard.step entered)
+        self._batch: Any = None
+        self._rng: dict[str, Any] | None = None
+        self._loss: torch.Tensor | None = None
+        self._consecutive = 0
+        self._scaler_skips = 0
+        self._losses: deque[float] = deque(maxlen=max(cfg.window, 1))
+        self._norms: deque[float] = deque(maxlen=max(cfg.window, 1))
+        self._t_loss = self._t_norm = math.inf
+        self._med_loss = self._med_norm = math.nan
+        self._history: deque[dict[str, Any]] = deque(maxlen=max(cfg.history, 1))
+        self._buffers = [b for m in _capsule.unwrap(model).modules()
+                         for name, b in m._buffers.items()
+                         if b is not None and name not in m._non_persistent_buffers_set]
+        self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+
+    # -- the verbs ----------------------------------------------------------------------------------
+
+    @property
+    def step_index(self) -> int:
+        """The number of the step in progress (or of the next one)."""
+        return self._current if self._current is not None else self._next
+
+    def step(self, *args: Any, step: int | None = None) -> _StepContext:
+        """``with guard.step(batch):`` around forward and backward (``guard.step(step, batch)`` also works).
+
+        Entering notes the RNG state; the batch is kept by reference (not copied), so a loss_fn
+        that changes the batch in place makes the capsule hold the changed batch.
+        """
+        if len(args) == 1:
+            batch = args[0]
+        elif len(args) == 2:
+            if step is not None:
+                raise TypeError("Guard.step() got the step number twice")
+            step, batch = args
+        elif not args:
+            batch = None
+        else:
+            raise TypeError(f"Guard.step() takes (batch) or (step, batch), got {len(args)} arguments")
+        return _StepContext(self, batch, step)
+
+    def _begin(self, batch: Any, step: int | None) -> int:
+        if step is not None:
+            self._current = int(step)
+        elif self._current is None:
+            self._current = self._next
+        if not self.enabled:
+            return self._current
+        self._batch = batch
+        if self._current % self.cfg.check_every == 0:
+            self._rng = _capsule.capture_rng(self._device_type)
+            if self._buffers:
+                torch._foreach_copy_(self._shadow, self._buffers)
+        return self._current
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(scaler.scale(loss) if scaler else loss).backward(**kwargs)``, and notes the loss (no sync)."""
+        if self.enabled:
+            d = loss.detach()
+            self._loss = d if self._loss is None else self._loss + d
+        scaler = self._active_scaler()
+        (scaler.scale(loss) if scaler is not None else loss).backward(**kwargs)
+
+    def optimizer_step(self, max_grad_norm: float | None = None, *,
+                       grad_norm: torch.Tensor | float | None = None) -> bool:
+        """Clip (if ``max_grad_norm``), check the loss and global gradient norm, then step or skip.
+
+        Returns True when the update was applied (step the scheduler then), False when it was
+        skipped (by the guard, or by the GradScaler lowering its scale). Pass ``grad_norm`` if
+        you computed the total norm yourself (after unscaling) to save one pass over the gradients.
+        """
+        step = self.step_index
+        try:
+            return self._optimizer_step(step, max_grad_norm, grad_norm)
+        finally:
+            self._current = None
+            self._next = step + 1
+            self._loss = None
+            self._batch = None
+            self._rng = None
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _active_scaler(self) -> torch.amp.GradScaler | None:
+        s = self.scaler
+        return s if s is not None and s.is_enabled() else None
+
+    def _params(self) -> list[torch.Tensor]:
+        if self.optimizer is not None:
+            return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def _unscale(self, scaler: torch.amp.GradScaler) -> None:
+        if self.optimizer is None:
+            return
+        try:
+            scaler.unscale_(self.optimizer)
+        except RuntimeError as exc:
+            if "already been called" not in str(exc):
+                raise
+
+    def _apply(self, scaler: torch.amp.GradScaler | None) -> None:
+        if self.optimizer is None:
+            return
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _optimizer_step(self, step: int, max_grad_norm: float | None,
+                        grad_norm: torch.Tensor | float | None) -> bool:
+        scaler = self._active_scaler()
+        checked = self.enabled and step % self.cfg.check_every == 0
+        if scaler is not None and (max_grad_norm or checked):
+            self._unscale(scaler)
+        params = self._params() if (max_grad_norm or checked) else []
+        norm: torch.Tensor | float | None = None
+        if max_grad_norm and params:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        elif grad_norm is not None:
+            norm = grad_norm
+        elif checked and params:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not checked:
+            self._apply(scaler)
+            return True
+
+        loss = self._loss
+        rank, world = _distributed()
+        loss_v, norm_v, others_bad = self._read(loss, norm, scaler, world > 1)
+        reason, status = self._judge(loss_v, norm_v, scaler is not None)
+        scaler_skip = (scaler is not None and norm_v is not None and not math.isfinite(norm_v)
+                       and reason is None)
+        lr = self._lr()
+        if reason is None and others_bad:
+            reason, status = "another rank saw a non-finite value or spike at this step", "nonfinite"
+            local = False
+        else:
+            local = True
+        if reason is None and scaler_skip:
+            self._scaler_skips += 1
+            if self._scaler_skips <= self.cfg.max_scaler_skips:
+                self._apply(scaler)   # the scaler skips this update and lowers its scale
+                self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=True))
+                return False
+            reason, status = (f"GradScaler skipped {self._scaler_skips} steps in a row "
+                              f"(loss scale now {scaler.get_scale():g})"), "nonfinite"
+        if reason is not None:
+            return self._bad(step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm, rank, world)
+        self._apply(scaler)
+        self._consecutive = 0
+        self._scaler_skips = 0
+        self._add(loss_v, norm_v)
+        self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=False))
+        return True
+
+    def _read(self, loss: torch.Tensor | None, norm: torch.Tensor | float | None,
+              scaler: torch.amp.GradScaler | None, distributed: bool) -> tuple[float | None, float | None, bool]:
+        """Loss and norm to the host in one sync; under torch.distributed, the all-reduced bad flag too."""
+        parts: list[torch.Tensor] = []
+        device = loss.device if loss is not None else (norm.device if isinstance(norm, torch.Tensor) else None)
+        if loss is not None:
+            parts.append(loss.float().reshape(1))
+        norm_t = norm if isinstance(norm, torch.Tensor) else None
+        if norm_t is not None:
+            parts.append(norm_t.detach().float().reshape(1).to(device))
+        if distributed:
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) \
+                    if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+            bad = torch.zeros((), dtype=torch.bool, device=device)
+            if loss is not None:
+                lv = parts[0][0]
+                bad = bad | ~torch.isfinite(lv) | (lv > self._t_loss)
+            nv = parts[-1][0] if norm_t is not None else (
+                torch.tensor(float(norm), device=device) if norm is not None else None)
+            if nv is not None:
+                finite = torch.isfinite(nv)
+                bad = bad | (finite & (nv > self._t_norm))
+                if scaler is None:
+                    bad = bad | ~finite
+            flag = bad.float().reshape(1)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            parts.append(flag)
+        values = torch.cat(parts).tolist() if parts else []   # the one device sync
+        i = 0
+        loss_v = norm_v = None
+        if loss is not None:
+            loss_v, i = values[0], 1
+        if norm_t is not None:
+            norm_v, i = values[i], i + 1
+        elif norm is not None:
+            norm_v = float(norm)
+        others = bool(values[i] > 0) if distributed else False
+        return loss_v, norm_v, others
+
+    def _judge(self, loss: float | None, norm: float | None, scaler: bool) -> tuple[str | None, str]:
+        if loss is not None and not math.isfinite(loss):
+            return f"loss is {loss}", "nonfinite"
+        if norm is not None and not math.isfinite(norm):
+            return (None, "nonfinite") if scaler else (f"gradient norm is {norm}", "nonfinite")
+        if loss is not None and loss > self._t_loss:
+            med = self._med_loss
+            times = f" ({loss / med:.1f}x)" if med > 0 else ""
+            return f"loss spike: {loss:.4g} vs running median {med:.4g}{times}", "spike"
+        if norm is not None and norm > self._t_norm:
+            med = self._med_norm
+            return f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)", "spike"
+        return None, "finite"
+
+    def _add(self, loss: float | None, norm: float | None) -> None:
+        cfg = self.cfg
+        if loss is not None and math.isfinite(loss):
+            self._losses.append(loss)
+            if len(self._losses) >= max(cfg.min_history, 1):
+                med = _median(self._losses)
+                self._med_loss = med
+                self._t_loss = med + (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12)
+        if norm is not None and math.isfinite(norm):
+            self._norms.append(norm)
+            if len(self._norms) >= max(cfg.min_history, 1):
+                med = _median(self._norms)
+                self._med_norm = med
+                self._t_norm = cfg.grad_spike_factor * med if med > 0 else math.inf
+
+    def _lr(self) -> float | None:
+        if self.optimizer is None or not self.optimizer.param_groups:
+            return None
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            return float(lr) if lr.device.type == "cpu" else None
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    def _weights_finite(self) -> bool:
+        params = [p.detach() for p in _capsule.unwrap(self.model).parameters()]
+        if not params:
+            return True
+        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+    def _bad(self, step: int, reason: str, status: str, local: bool, loss_v: float | None, norm_v: float | None,
+             lr: float | None, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None,
+             rank: int, world: int) -> bool:
+        policy = self.cfg.policy
+        self._consecutive += 1
+        corrupt = not self._weights_finite()   # rare path: a sync here is fine
+        if corrupt:
+            local = True
+            last = max(step - 1, 0)
+            reason = (f"{reason}, and the weights were already non-finite before this step: the optimizer "
+                      f"update of step {last} made them so (skipping cannot undo an applied update)")
+        if policy != "record" and self._shadow:
+            torch._foreach_copy_(self._buffers, self._shadow)
+        path = None
+        note = ""
+        if not corrupt:
+            try:
+                path = self._write_capsule(step, reason, status, local, loss_v, norm_v, lr, scaler,
+                                           max_grad_norm, rank, world)
+            except OSError as exc:
+                note = f" (capsule not written: {exc.strerror or exc})"
+        command = self._command(path) if path else (
+            f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {max(step - 1, 0)}"
+            if corrupt else None)
+        if policy == "record":
+            self._apply(scaler)
+            applied, action = True, "recorded"
+        else:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.update(scaler.get_scale())   # keep the scale; reset its per-step state
+            applied = False
+            stop = policy == "raise" or corrupt or self._consecutive >= self.cfg.max_consecutive_skips
+            action = "raised" if stop else "skipped"
+        event = GuardEvent(step=step, status=status, reason=reason, action=action, local=local,
+                           capsule=str(path) if path else None, command=command, rank=rank,
+                           loss=loss_v, grad_norm=norm_v)
+        self.events.append(event)
+        # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
+        self._history.append(_hist(step, loss_v, norm_v, lr, finite=status != "nonfinite", skipped=False))
+        who = f"rank {rank}: " if world > 1 else ""
+        verb = {"skipped": "update skipped", "recorded": "update applied (policy record)",
+                "raised": "update skipped, stopping"}[action]
+        logger.warning("nanprobe.Guard: %sstep %d %s: %s.%s %s", who, step, verb, reason, note,
+                       f"Replay it: {command}" if command else "")
+        if action == "raised":
+            if policy == "raise":
+                why = "policy 'raise'"
+            elif corrupt:
+                why = "the weights are non-finite"
+            else:
+                why = f"{self._consecutive} bad steps in a row, guard.max_consecutive_skips is " \
+                      f"{self.cfg.max_consecutive_skips}"
+            raise GuardTripped(event, why)
+        return applied
+
+    def _write_capsule(self, step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm,
+                       rank, world) -> Path | None:
+        limit = self.cfg.max_capsules
+        if limit == 0 or (limit == 1 and self.capsules):
+            return None
+        rng = self._rng if self._rng is not None else _capsule.capture_rng(self._device_type)
+        data = _capsule.build(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=scaler,
+                              batch=self._batch, rng=rng, step=step, precision=self.precision, status=status,
+                              reason=reason, record=_hist(step, loss_v, norm_v, lr, finite=status != "nonfinite",
+                                                          skipped=False),
+                              history=list(self._history), entry=self.entry, rank=rank, world_size=world,
+                              local=local, max_grad_norm=max_grad_norm)
+        path = _capsule.write(data, self.capsule_dir)
+        self.capsules.append(path)
+        while len(self.capsules) > limit:   # keep the first capsule (the first bad step) and the newest
+            old = self.capsules.pop(1)
+            try:
+                old.unlink()
+            except OSError:
+                pass
+        return path
+
+    def _command(self, path: Path) -> str:
+        try:
+            rel = os.path.relpath(path)
+            shown = rel if not rel.startswith("..") else str(path)
+        except ValueError:
+            shown = str(path)
+        entry = shlex.quote(self.entry) if self.entry else "ENTRY"
+        return f"nanprobe run {entry} --capsule {shlex.quote(shown)}"
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's running statistics and counters (for your checkpoint); weights_only-safe."""
+        return {"next_step": self._next, "consecutive": self._consecutive, "scaler_skips": self._scaler_skips,
+                "losses": list(self._losses), "norms": list(self._norms),
+                "history": [dict(h) for h in self._history], "capsules": [str(p) for p in self.capsules]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._next = int(state["next_step"])
+        self._current = None
+        self._consecutive = int(state.get("consecutive", 0))
+        self._scaler_skips = int(state.get("scaler_skips", 0))
+        self._losses.clear()
+        self._norms.clear()
+        self._t_loss = self._t_norm = math.inf
+        self._med_loss = self._med_norm = math.nan
+        for loss in state.get("losses", []):
+            self._add(float(loss), None)
+        for norm in state.get("norms", []):
+            self._add(None, float(norm))
+        self._history.clear()
+        self._history.extend(dict(h) for h in state.get("history", []))
+        self.capsules = [Path(p) for p in state.get("capsules", [])]
+
+
+def _median(values) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _hist(step: int, loss: float | None, norm: float | None, lr: float | None, *, finite: bool,
+          skipped: bool) -> dict[str, Any]:
+    return {"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, "skipped": skipped}
+
+
+__all__ = ["Guard", "GuardEvent", "GuardTripped"]

@@ -1,0 +1,170 @@
+"""Overhead of nanprobe.Guard: median ratio of guarded to plain training-step time (budget <= 1.01).
+
+Plain and guarded steps train the same model in the same process, interleaved in blocks
+(plain block, guarded block, then guarded, plain: ABBA order cancels drift), many repeats.
+The plain loop is what a user writes: zero_grad, autocast forward, (scaled) backward, clip,
+step, scheduler. The guarded loop is the same with guard.step / guard.backward /
+guard.optimizer_step. Timing covers whole blocks (one device synchronize per block), so the
+guard's one sync per step is paid inside the measurement. Run:
+
+    python scripts/bench_guard.py [--entry examples/healthy_transformer.py:target] [--pairs 200] [--block 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nanprobe.entry import load_target  # noqa: E402
+from nanprobe.guard import Guard  # noqa: E402
+from nanprobe.loop import make_scaler  # noqa: E402
+from nanprobe.precision import autocast_context, device_of, parse_precision  # noqa: E402
+
+DEFAULT_ENTRY = ROOT / "examples" / "healthy_transformer.py"
+
+
+def _fallback_target(device: str):
+    """A small transformer (examples/tiny_transformer.py) until examples/healthy_transformer.py exists."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_transformer import TinyTransformer, TransformerConfig, copy_task_batches, lm_loss
+    torch.manual_seed(0)
+    cfg = TransformerConfig()
+    model = TinyTransformer(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    batches = [(x.to(device), y.to(device)) for x, y in copy_task_batches(64, 16, cfg.max_len, cfg.vocab_size, 0)]
+    return {"model": model, "loss_fn": lm_loss, "batches": batches, "optimizer": opt, "max_grad_norm": 1.0,
+            "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entry", default=None, help="ENTRY (default: examples/healthy_transformer.py:target, "
+                                                      "else a small transformer)")
+    parser.add_argument("--pairs", type=int, default=200, help="ABBA repeats (each = 2 plain + 2 guarded blocks)")
+    parser.add_argument("--block", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--device", default=None, help="move the target to this device (e.g. cuda)")
+    parser.add_argument("--clip", type=float, default=None, help="override max_grad_norm (0 = no clipping)")
+    args = parser.parse_args()
+
+    if args.entry is None and DEFAULT_ENTRY.exists():
+        args.entry = f"{DEFAULT_ENTRY}:target"
+    if args.entry:
+        target = load_target(args.entry).target
+        model, opt, loss_fn, sched = target.model, target.optimizer, target.loss_fn, target.scheduler
+        if args.device:
+            model.to(args.device)
+        batches = target.batches
+        clip = target.max_grad_norm
+        precision = target.precision
+        label = args.entry
+        scaler_on = target.grad_scaler
+    else:
+        t = _fallback_target(args.device or "cpu")
+        model, opt, loss_fn, sched, batches, clip = (t["model"], t["optimizer"], t["loss_fn"], t["scheduler"],
+                                                     t["batches"], t["max_grad_norm"])
+        precision, label, scaler_on = parse_precision("fp32"), "examples/tiny_transformer.py (fallback)", False
+    if args.precision:
+        precision = parse_precision(args.precision)
+    if args.clip is not None:
+        clip = args.clip or None
+    device = device_of(model)
+    dev = device.type
+    if callable(batches) and not isinstance(batches, (list, tuple)):
+        data = [batches(i) for i in range(64)]
+    else:
+        data = list(itertools.islice(iter(batches), 64))
+    if args.device:
+        data = [tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in b)
+                if isinstance(b, (tuple, list)) else b for b in data]
+
+    class _T:  # make_scaler reads these two
+        optimizer = opt
+        grad_scaler = scaler_on
+    scaler = make_scaler(_T, precision, dev)
+    logging.getLogger("nanprobe.guard").disabled = True
+    tmp = tempfile.TemporaryDirectory(prefix="nanprobe-bench-")
+    guard = Guard(model, opt, scaler=scaler, scheduler=sched, precision=precision, capsule_dir=tmp.name)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    ctx = (lambda: autocast_context(precision, dev)) if precision.autocast else contextlib.nullcontext
+    model.train()
+
+    def plain(batch) -> None:
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            loss = loss_fn(model, batch)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        if sched is not None:
+            sched.step()
+
+    def guarded(batch) -> None:
+        with guard.step(batch):
+            opt.zero_grad(set_to_none=True)
+            with ctx():
+                loss = loss_fn(model, batch)
+            guard.backward(loss)
+        if guard.optimizer_step(clip) and sched is not None:
+            sched.step()
+
+    cursor = itertools.cycle(range(len(data)))
+
+    def block(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.block):
+            fn(data[next(cursor)])
+        sync()
+        return (time.perf_counter() - t0) / args.block
+
+    for _ in range(args.warmup):
+        block(plain)
+        block(guarded)
+    ratios, p_times, g_times = [], [], []
+    for _ in range(args.pairs):
+        a1 = block(plain)
+        b1 = block(guarded)
+        b2 = block(guarded)
+        a2 = block(plain)
+        ratios.append((b1 + b2) / (a1 + a2))
+        p_times += [a1, a2]
+        g_times += [b1, b2]
+    med_ratio = statistics.median(ratios)
+    q = statistics.quantiles(ratios, n=4)
+    print(f"nanprobe.Guard overhead on {label}")
+    print(f"  device {device} · precision {precision.value} · clip {clip} · GradScaler {scaler is not None} · "
+          f"threads {torch.get_num_threads()}")
+    print(f"  plain step   median {statistics.median(p_times) * 1e3:.3f} ms")
+    print(f"  guarded step median {statistics.median(g_times) * 1e3:.3f} ms")
+    print(f"  guarded/plain: median ratio {med_ratio:.4f} (IQR {q[0]:.4f}..{q[2]:.4f}; "
+          f"ratio of medians {statistics.median(g_times) / statistics.median(p_times):.4f}) over {args.pairs} "
+          f"ABBA pairs of {args.block}-step blocks")
+    print(f"  budget <= 1.01: {'OK' if med_ratio <= 1.01 else 'OVER'}")
+    print(f"  guard events {len(guard.events)} (a healthy run has none)")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

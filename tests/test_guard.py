@@ -1,0 +1,298 @@
+"""nanprobe.Guard in a user's loop: skip exactly the bad step, keep the weights, write a capsule, go on."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import asset
+from nanprobe.capsule import list_capsules, read
+from nanprobe.entry import load_target
+from nanprobe.errors import ConfigError, UsageError
+from nanprobe.guard import Guard, GuardTripped
+
+ENTRY = asset("guard_nan.py")
+BAD = 4
+
+
+def _state(model, opt):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def train(t, guard, *, scheduler=True, before=None):
+    """The README loop; returns the applied flags. ``before`` collects the pre-step state per step."""
+    model, opt, sched = t["model"], t["optimizer"], t.get("scheduler")
+    applied = []
+    for step, batch in enumerate(t["batches"]):
+        if before is not None:
+            before.append(_state(model, opt))
+        with guard.step(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = t["loss_fn"](model, batch)
+            guard.backward(loss)
+        ok = guard.optimizer_step(max_grad_norm=t.get("max_grad_norm"))
+        applied.append(ok)
+        if ok and scheduler and sched is not None:
+            sched.step()
+    return applied
+
+
+def test_nan_step_is_skipped_weights_kept_capsule_written_and_training_goes_on(tmp_path, caplog):
+    t = load_target(ENTRY + ":target").target
+    t = {"model": t.model, "optimizer": t.optimizer, "scheduler": t.scheduler, "batches": t.batches,
+         "loss_fn": t.loss_fn}
+    guard = Guard(t["model"], t["optimizer"], scheduler=t["scheduler"], entry=ENTRY + ":target",
+                  capsule_dir=tmp_path)
+    before: list = []
+    with caplog.at_level(logging.WARNING, logger="nanprobe.guard"):
+        applied = train(t, guard, before=before)
+    assert applied == [i != BAD for i in range(10)]
+    # the skipped step left weights, BatchNorm buffers and optimizer state exactly as before it
+    after_bad = before[BAD + 1]
+    assert _equal(before[BAD][0], after_bad[0]) and _equal(before[BAD][1], after_bad[1])
+    # every other step changed the weights, and training ended finite
+    assert not _equal(before[BAD - 1][0], before[BAD][0])
+    assert all(torch.isfinite(p).all() for p in t["model"].parameters())
+    # the scheduler was not stepped on the skipped step: 9 applied steps
+    assert t["scheduler"].last_epoch == 9
+    # one event, one capsule, one log line with the exact command
+    assert [(e.step, e.status, e.reason, e.action) for e in guard.events] == [(BAD, "nonfinite", "loss is nan",
+                                                                              "skipped")]
+    files = list_capsules(tmp_path)
+    assert len(files) == 1 and files[0].name.startswith(f"step{BAD:07d}-rank0-")
+    assert guard.events[0].capsule == str(files[0])
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanprobe.guard"]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert f"step {BAD} update skipped: loss is nan" in lines[0]
+    assert lines[0].endswith(f"Replay it: nanprobe run {ENTRY}:target --capsule {files[0]}")
+
+
+def test_capsule_holds_the_state_before_the_step(tmp_path):
+    t = load_target(ENTRY + ":dict_batches").target
+    guard = Guard(t.model, t.optimizer, scheduler=t.scheduler, capsule_dir=tmp_path)
+    before: list = []
+    train({"model": t.model, "optimizer": t.optimizer, "scheduler": t.scheduler, "batches": t.batches,
+           "loss_fn": t.loss_fn}, guard, before=before)
+    data = torch.load(guard.capsules[0], weights_only=True)   # loads without trusting the file
+    assert data["step"] == BAD and data["precision"] == "fp32" and data["status"] == "nonfinite"
+    assert _equal(dict(data["model"]), before[BAD][0])
+    assert data["optimizer"]["state"].keys() == before[BAD][1]["state"].keys()
+    assert _equal(data["optimizer"]["state"], before[BAD][1]["state"])
+    assert [h["step"] for h in data["history"]] == [0, 1, 2, 3]
+    assert data["fingerprint"][0] == ["fc1.weight", [16, 4]]
+    cap = read(guard.capsules[0])
+    assert cap.step == BAD and cap.reason == "loss is nan"
+
+
+def test_policy_raise_stops_with_weights_untouched(tmp_path):
+    t = load_target(ENTRY + ":target").target
+    guard = Guard(t.model, t.optimizer, capsule_dir=tmp_path, policy="raise", entry="train.py:target")
+    before: list = []
+    with pytest.raises(GuardTripped) as info:
+        train({"model": t.model, "optimizer": t.optimizer, "batches": t.batches, "loss_fn": t.loss_fn}, guard,
+              before=before)
+    assert info.value.event.step == BAD and info.value.event.action == "raised"
+    assert "--capsule" in info.value.message and "policy 'raise'" in info.value.message
+    assert len(before) == BAD + 1 and _equal(before[BAD][0], t.model.state_dict())
+    assert len(list_capsules(tmp_path)) == 1
+
+
+def test_policy_record_applies_the_update_and_still_writes_a_capsule(tmp_path):
+    t = load_target(ENTRY + ":target").target
+    guard = Guard(t.model, t.optimizer, capsule_dir=tmp_path, policy="record")
+    flags = train({"model": t.model, "optimizer": t.optimizer, "batches": t.batches[:BAD + 1],
+                   "loss_fn": t.loss_fn}, guard)
+    assert flags == [True] * (BAD + 1)
+    assert guard.events[0].action == "recorded"
+    assert not all(torch.isfinite(p).all() for p in t.model.parameters())   # what happens without the guard
+    assert len(list_capsules(tmp_path)) == 1
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _batches(n, nan_at=(), scale_at=None, scale=1.0):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        x = torch.randn(8, 4, generator=g)
+        if i in nan_at:
+            x[0, 0] = float("nan")
+        out.append((x, torch.randint(0, 3, (8,), generator=g), scale if i == scale_at else 1.0))
+    return out
+
+
+def _loss(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1]) * batch[2]
+
+
+def test_too_many_consecutive_skips_raise(tmp_path):
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path, config={"max_consecutive_skips": 3, "max_capsules": 2})
+    data = {"model": model, "optimizer": opt, "batches": _batches(10, nan_at=range(2, 10)), "loss_fn": _loss}
+    with pytest.raises(GuardTripped) as info:
+        train(data, guard)
+    assert [e.step for e in guard.events] == [2, 3, 4]
+    assert [e.action for e in guard.events] == ["skipped", "skipped", "raised"]
+    assert "3 bad steps in a row" in info.value.message
+    # max_capsules=2 keeps the first bad step's capsule and the newest
+    assert [p.name[:11] for p in list_capsules(tmp_path)] == ["step0000002", "step0000004"]
+
+
+def test_loss_spike_is_skipped(tmp_path):
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path, config={"min_history": 5, "loss_spike_factor": 10.0})
+    data = {"model": model, "optimizer": opt, "batches": _batches(12, scale_at=8, scale=1000.0), "loss_fn": _loss}
+    flags = train(data, guard)
+    assert flags == [i != 8 for i in range(12)]
+    (event,) = guard.events
+    assert event.status == "spike" and event.reason.startswith("loss spike:") and "running median" in event.reason
+    assert read(event.capsule).status.value == "spike"
+
+
+def test_fp16_grad_scaler_early_skips_are_not_failures(tmp_path, caplog):
+    model, opt = _tiny()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)   # overflows until it backs off
+    guard = Guard(model, opt, scaler=scaler, precision="fp16", capsule_dir=tmp_path,
+                  config={"max_scaler_skips": 40})
+    w0 = copy.deepcopy(model.state_dict())
+    flags = []
+    with caplog.at_level(logging.WARNING, logger="nanprobe.guard"):
+        for batch in _batches(30):
+            with guard.step(batch):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = _loss(model, batch)
+                guard.backward(loss)
+            flags.append(guard.optimizer_step())
+    assert flags[:10] == [False] * 10 and sum(flags) >= 5   # the scaler's normal back-off, then training
+    assert scaler.get_scale() <= 2.0 ** 40 / 2 ** 10
+    assert guard.events == [] and list_capsules(tmp_path) == []
+    assert not [r for r in caplog.records if r.name == "nanprobe.guard"]
+    assert not _equal(w0, model.state_dict())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_nan_loss_with_scaler_keeps_the_scale(tmp_path):
+    model, opt = _tiny()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    guard = Guard(model, opt, scaler=scaler, precision="fp16", capsule_dir=tmp_path)
+    scales = []
+    for batch in _batches(6, nan_at={3}):
+        with guard.step(batch):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(model, batch)
+            guard.backward(loss)
+        guard.optimizer_step(max_grad_norm=1.0)
+        scales.append(scaler.get_scale())
+    assert [e.step for e in guard.events] == [3]
+    assert scales[3] == scales[2]              # the guard's skip leaves the GradScaler alone
+    cap = torch.load(guard.capsules[0], weights_only=True)
+    assert cap["grad_scaler"] is True and cap["scaler"]["scale"] == scales[2] and cap["max_grad_norm"] == 1.0
+
+
+def test_too_many_scaler_skips_are_a_failure(tmp_path):
+    model, opt = _tiny()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    guard = Guard(model, opt, scaler=scaler, precision="fp16", capsule_dir=tmp_path, config={"max_scaler_skips": 2})
+    for batch in _batches(3):
+        with guard.step(batch):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(model, batch)
+            guard.backward(loss)
+        guard.optimizer_step()
+    (event,) = guard.events
+    assert event.step == 2 and event.reason.startswith("GradScaler skipped 3 steps in a row")
+
+
+def test_update_that_corrupts_weights_is_named_at_the_next_check(tmp_path):
+    """check_every=2: a NaN at an unchecked step gets applied; the next check sees non-finite weights."""
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path, check_every=2)
+    data = {"model": model, "optimizer": opt, "batches": _batches(6, nan_at={3}), "loss_fn": _loss}
+    with pytest.raises(GuardTripped) as info:
+        train(data, guard)
+    event = info.value.event
+    assert event.step == 4 and "weights were already non-finite" in event.reason
+    assert event.capsule is None and event.command.endswith("--at 3")
+    assert "the weights are non-finite" in info.value.message
+
+
+def test_step_number_forms_and_no_context(tmp_path):
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path, start_step=100)
+    batches = _batches(3, nan_at={1})
+    with guard.step(batches[0]) as n:
+        _loss(model, batches[0]).backward()     # plain backward (the fix snippet's form) also works
+    assert n == 100 and guard.optimizer_step() and guard.step_index == 101
+    with guard.step(7, batches[1]) as n:
+        guard.backward(_loss(model, batches[1]))
+    assert n == 7 and not guard.optimizer_step()
+    assert read(guard.capsules[0]).step == 7
+    # without guard.step: the gradient norm is still checked; the capsule says it has no batch
+    opt.zero_grad()
+    _loss(model, batches[1]).backward()
+    assert guard.optimizer_step() is False and guard.events[-1].step == 8
+    assert guard.events[-1].reason == "gradient norm is nan"
+    assert torch.load(guard.capsules[-1], weights_only=True)["batch_missing"] is True
+
+
+def test_disabled_guard_is_the_plain_loop(tmp_path):
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path, enabled=False)
+    flags = train({"model": model, "optimizer": opt, "batches": _batches(3, nan_at={1}), "loss_fn": _loss}, guard)
+    assert flags == [True, True, True] and guard.events == []
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    assert not tmp_path.exists() or list_capsules(tmp_path) == []
+
+
+def test_state_dict_round_trip(tmp_path):
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path, config={"min_history": 3})
+    train({"model": model, "optimizer": opt, "batches": _batches(6, nan_at={2}), "loss_fn": _loss}, guard)
+    state = guard.state_dict()
+    path = tmp_path / "guard.pt"
+    torch.save(state, path)
+    restored = Guard(model, opt, capsule_dir=tmp_path, config={"min_history": 3})
+    restored.load_state_dict(torch.load(path, weights_only=True))
+    assert repr(restored.state_dict()) == repr(state)   # (the history holds a NaN loss)
+    assert restored.step_index == 6 and guard.step_index == 6
+    # the spike statistics came back too: both guards judge the same loss the same way
+    median = sorted(state["losses"])[len(state["losses"]) // 2]
+    assert guard._judge(median * 20, None, False) == restored._judge(median * 20, None, False)
+    assert restored._judge(median * 20, None, False)[1] == "spike"
+    assert restored._judge(median, None, False) == (None, "finite")
+
+
+def test_bad_arguments_are_usage_errors(tmp_path):
+    model, opt = _tiny()
+    with pytest.raises(ConfigError, match="guard.policy must be one of"):
+        Guard(model, opt, policy="explode")
+    with pytest.raises(UsageError, match="check_every"):
+        Guard(model, opt, check_every=0)
+    with pytest.raises(UsageError, match="not a precision"):
+        Guard(model, opt, precision="fp8")
+    with pytest.raises(UsageError, match="torch.nn.Module"):
+        Guard("model", opt)
+    with pytest.raises(TypeError):
+        Guard(model, opt).step(1, 2, 3)
