@@ -1,0 +1,72 @@
+"""`nanprobe smoke` for CI and assert_trains_finite for users' test suites."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import asset, example
+from nanprobe import smoke
+from nanprobe.cli import app
+from nanprobe.testing import assert_trains_finite
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("name", ["healthy_mlp.py", "healthy_transformer.py"])
+def test_smoke_healthy_exits_0_with_valid_junit(tmp_path, name):
+    junit = tmp_path / "smoke.xml"
+    result = runner.invoke(app, ["smoke", example(name) + ":target", "--steps", "8", "--junit", str(junit),
+                                 "--capsule-dir", str(tmp_path / "caps")])
+    assert result.exit_code == 0, result.output
+    root = ET.parse(junit).getroot()
+    assert root.tag == "testsuites" and root.get("failures") == "0"
+    cases = root.findall(".//testcase")
+    assert cases and not root.findall(".//failure")
+
+
+def test_smoke_broken_exits_1_with_diagnosis_junit_and_capsule(tmp_path):
+    junit = tmp_path / "smoke.xml"
+    out = tmp_path / "smoke.json"
+    caps = tmp_path / "caps"
+    result = runner.invoke(app, ["smoke", example("div_l2norm_no_eps.py") + ":target", "--steps", "6",
+                                 "--junit", str(junit), "--json", str(out), "--capsule-dir", str(caps)])
+    assert result.exit_code == 1, result.output
+    data = json.loads(out.read_text())
+    assert data["command"] == "smoke" and data["step"] == 3
+    assert data["findings"][0]["cause"] == "div" and data["findings"][0]["module"] == "normalize"
+    assert data["smoke"]["steps_run"] == 4 and data["smoke"]["capsule"]
+    root = ET.parse(junit).getroot()
+    failures = root.findall(".//failure")
+    assert root.get("failures") == "1" and len(failures) == 1
+    assert "div" in failures[0].get("message") and "normalize" in failures[0].get("message")
+    assert list(caps.glob("*.capsule.pt"))
+
+
+def test_assert_trains_finite_passes_and_fails(tmp_path):
+    assert assert_trains_finite(example("healthy_mlp.py") + ":target", steps=5).healthy
+    with pytest.raises(AssertionError) as info:
+        assert_trains_finite(example("sqrt_grad_at_zero.py") + ":target", steps=6)
+    text = str(info.value)
+    assert "sqrt" in text and "distance" in text
+
+
+def test_smoke_bad_entry_exits_2_and_still_writes_junit(tmp_path):
+    junit = tmp_path / "smoke.xml"
+    result = runner.invoke(app, ["smoke", asset("tiny.py") + ":returns_none", "--steps", "3", "--junit", str(junit)])
+    assert result.exit_code == 2
+    root = ET.parse(junit).getroot()
+    assert root.findall(".//error") or root.findall(".//failure")
+
+
+def test_smoke_steps_must_be_positive():
+    result = runner.invoke(app, ["smoke", asset("tiny.py") + ":target", "--steps", "0"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_smoke_function_api(tmp_path):
+    result = smoke(example("healthy_mlp.py") + ":target", steps=4, capsule_dir=tmp_path)
+    assert result.exit_code == 0 and result.steps_run == 4
