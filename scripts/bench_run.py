@@ -9,6 +9,7 @@ same process on the same state and batch. Run:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -51,10 +52,12 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default=None, help="move the target there first (e.g. cuda)")
+    parser.add_argument("--size", default=None, help='JSON config for the entry, e.g. \'{"d_model": 512, '
+                                                       '"n_layers": 6, "seq_len": 256, "batch_size": 16}\'')
     args = parser.parse_args()
 
     cfg = load_config()
-    loaded = load_target(args.entry, device=args.device)
+    loaded = load_target(args.entry, config=json.loads(args.size) if args.size else None, device=args.device)
     target = loaded.target
     reached = reach(target, at=args.at, precision=target.precision, cfg=cfg.replay, where=loaded.where)
     prec = reached.precision
