@@ -35,6 +35,7 @@ class RunConfig:
     update_ratio_limit: float = 1.0
     lr_jump_factor: float = 5.0
     near_zero: float = 1e-30
+    fp16_on_cpu: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +65,7 @@ class GuardConfig:
     max_capsules: int = 10
     max_scaler_skips: int = 8
     history: int = 16
+    rng_states: str = "auto"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -92,11 +92,16 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         progress(f"rerunning step {reached.step} in {ref_prec.value} (reference)")
         reference = run_step(target, reached, ref_prec, where=where, probe=probe, tolerate_errors=True)
     traces: dict[str, StepTrace] = {prec.value: main}
+    skipped_notes: list[str] = []
     if reference is not None:
         traces[ref_prec.value] = reference
     for name in cfg.run.precisions:
         p = parse_precision(name)
         if name in traces or p is Precision.TF32 and device.type != "cuda" or p is Precision.FP64:
+            continue
+        if p is Precision.FP16 and device.type == "cpu" and not cfg.run.fp16_on_cpu:
+            skipped_notes.append("fp16 rerun skipped on CPU (slow fp16 kernels; run.fp16_on_cpu: true, "
+                                 "nanprobe compare-precisions or --device cuda show it)")
             continue
         progress(f"rerunning step {reached.step} in {name}")
         traces[name] = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True)
@@ -123,7 +128,7 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     if status is Status.FINITE and data and any(p.level == "error" for p in data):
         status = Status.NONFINITE
     context = _context(main, cfg.run.context_modules)
-    notes = list(reached.notes)
+    notes = list(reached.notes) + skipped_notes
     for name, t in traces.items():
         if t.error:
             notes.append(f"{name} rerun could not run: {t.error}")

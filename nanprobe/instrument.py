@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,7 +217,7 @@ class OriginTracker:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
-                 ranges: bool = True, source_of_node: int | None = None):
+                 ranges: bool = True, source_of_node: int | None = None, context: int = 6):
         self.model = model
         self.optimizer = optimizer
         self.names = {id(m): name for name, m in model.named_modules()}
@@ -232,6 +233,10 @@ class OriginTracker:
         self.source_of_node = source_of_node          # node_seq whose forward line to read (anomaly rerun)
         self._want_ranges = ranges
         self._module_stats: list[_ModuleStat] = []
+        # the last module outputs, by reference: their ranges are computed only for the modules
+        # just before the origin (or the end of the forward), not for every module
+        self._recent: deque[tuple[str, torch.Tensor, int]] = deque(maxlen=max(context, 1))
+        self._origin_module: str | None = None  # its range is taken when it finishes
         self._occurrences: dict[tuple, int] = {}
         self._storage_names: dict[int, tuple[str, str]] = {}
         self._handles: list[Any] = []
@@ -255,6 +260,7 @@ class OriginTracker:
         for h in self._handles:
             h.remove()
         self._modes, self._handles = [], []
+        self._flush_recent()
         self._finish_ranges()
 
     def set_phase(self, phase: Phase) -> None:
@@ -262,6 +268,8 @@ class OriginTracker:
             self.active = False
             self.base_seq = _next_sequence_nr()
             self.active = True
+        elif self.phase is Phase.FORWARD:
+            self._flush_recent()
         self.phase = phase
         if phase is Phase.UPDATE and self.optimizer is not None:
             self._index_optimizer()
@@ -286,7 +294,11 @@ class OriginTracker:
         if self._want_ranges and self.active:
             outs = [t for _, t in iter_tensors(output) if t.is_floating_point() and t.numel() > 0]
             if outs:
-                self._record_range(name, outs[0])
+                if not self.trace.events:
+                    self._recent.append((name, outs[0], self.trace.ops_checked))
+                elif name == self._origin_module:
+                    self._record_range(name, outs[0], self.trace.ops_checked)
+                    self._origin_module = None
 
     def _label_nodes(self, name: str, output: Any) -> None:
         """Label the autograd nodes this module created: walk back from its outputs to labelled nodes.
@@ -305,7 +317,13 @@ class OriginTracker:
                 if nxt is not None and nxt not in labels and not hasattr(nxt, "variable"):
                     todo.append(nxt)
 
-    def _record_range(self, name: str, t: torch.Tensor) -> None:
+    def _flush_recent(self) -> None:
+        """Compute the ranges of the remembered module outputs (at the origin, or the forward's end)."""
+        for name, t, op_index in self._recent:
+            self._record_range(name, t, op_index)
+        self._recent.clear()
+
+    def _record_range(self, name: str, t: torch.Tensor, op_index: int) -> None:
         self.active = False  # our own reductions are not the user's ops
         try:
             with torch.no_grad(), torch._C.DisableTorchFunction():
@@ -323,7 +341,7 @@ class OriginTracker:
                     (~finite).float().sum(),
                 ])
             self._module_stats.append(_ModuleStat(name=name, order=len(self._module_stats),
-                                                  op_index=self.trace.ops_checked,
+                                                  op_index=op_index,
                                                   dtype=str(t.dtype).replace("torch.", ""), stats=stats))
         finally:
             self.active = True
@@ -454,6 +472,9 @@ class OriginTracker:
             parameter, update_info = self._update_context(mutated + outs + inputs)
             if parameter is not None:
                 module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
+        if self.phase is Phase.FORWARD and not any(ev.phase is Phase.FORWARD for ev in trace.events):
+            self._flush_recent()          # the modules just before the origin, as they are now
+            self._origin_module = module  # and the origin's own module when it finishes
         trace.events.append(Event(
             index=trace.ops_checked, phase=self.phase, module=module, op=op, node=node_name, kind=kind,
             source=source, code=code, out_dtype=str(bad_out.dtype).replace("torch.", ""),

@@ -104,3 +104,113 @@ def test_plain_pickle_is_refused(tmp_path):
     bad = tmp_path / "x.capsule.pt"
     bad.write_bytes(pickle.dumps({"a": 1}))
     assert _run_capsule(bad).exit_code == 2
+
+
+# -- batches, RNG, names ------------------------------------------------------------------------------
+
+import collections  # noqa: E402
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from nanprobe import capsule as C  # noqa: E402
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@dataclasses.dataclass
+class Item:
+    ids: torch.Tensor
+    label: int
+
+
+@pytest.mark.parametrize("batch", [
+    (torch.arange(3), torch.ones(2, 2)),
+    [torch.zeros(1), 3, "text", None, 2.5],
+    {"x": torch.randn(2, 3), "meta": {"ids": [1, 2], "source": "s", 7: torch.tensor([1])}},
+    collections.OrderedDict(a=torch.ones(1), b=[torch.zeros(2)]),
+    Pair(a=torch.ones(2), b=(1, torch.zeros(1))),
+    Item(ids=torch.arange(4), label=2),
+    {"arr": np.arange(3, dtype=np.float32), "n": np.int64(4)},
+], ids=["tuple", "list", "nested-dict", "ordered", "namedtuple", "dataclass", "numpy"])
+def test_batches_survive_weights_only_round_trip(tmp_path, batch):
+    path = tmp_path / "b.pt"
+    torch.save({"batch": C.encode_batch(batch)}, path)
+    notes: list[str] = []
+    back = C.decode_batch(torch.load(path, weights_only=True)["batch"], None, notes)
+    assert type(back) is type(batch) and notes == []
+    assert repr(C.encode_batch(back)) == repr(C.encode_batch(batch))
+
+
+def test_unknown_batch_types_are_rebuilt_plainly_with_a_note():
+    enc = C.encode_batch(Item(ids=torch.arange(2), label=1))
+    enc["type"] = "gone_module:Gone"
+    notes: list[str] = []
+    back = C.decode_batch(enc, None, notes)
+    assert back == {"ids": back["ids"], "label": 1} and "not importable here" in notes[0]
+
+
+def test_dataclass_batch_found_in_the_entrypoint_module(tmp_path):
+    """The run defined the batch class in __main__; replay finds it in the loaded entrypoint by name."""
+    entry = asset("guard_nan.py") + ":dataclass_batches"
+    guarded_run(tmp_path, entry)
+    (capsule,) = list_capsules(tmp_path)
+    data = torch.load(capsule, weights_only=True)
+    data["batch"]["type"] = "__main__:Batch"
+    torch.save(data, capsule)
+    from nanprobe.capsule import reach_from_capsule
+    loaded = load_target(entry)
+    reached = reach_from_capsule(capsule, loaded)
+    assert type(reached.batch).__name__ == "Batch" and reached.notes == []
+    assert torch.equal(reached.batch.x[2], torch.zeros(4))
+
+
+def test_rng_states_round_trip_as_lists():
+    state = C.capture_rng("cpu")
+    safe = C.rng_to_safe(state)
+    assert isinstance(safe["python"][1], list) and isinstance(safe["numpy"][1], list)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    from nanprobe.loop import _set_rng_state
+    _set_rng_state(C.rng_from_safe(safe, "cpu"))
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+
+
+def test_capsule_and_at_disagree_is_a_usage_error(tmp_path):
+    guarded_run(tmp_path)
+    (capsule,) = list_capsules(tmp_path)
+    result = CliRunner().invoke(app, ["run", ENTRY, "--capsule", str(capsule), "--at", "2"])
+    assert result.exit_code == 2 and "holds step 4, not --at 2" in result.output
+
+
+def test_not_a_capsule_and_another_models_capsule_messages(tmp_path):
+    plain = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(2)}, plain)
+    result = _run_capsule(plain)
+    assert result.exit_code == 2 and "not a nanprobe capsule" in result.output
+    guarded_run(tmp_path)
+    (capsule,) = list_capsules(tmp_path)
+    result = _run_capsule(capsule, entry=asset("guard_nan.py") + ":other_model")
+    assert result.exit_code == 2 and "capsule is from another model" in result.output
+
+
+def test_stale_capsule_for_at_is_skipped_with_a_note(tmp_path, monkeypatch):
+    """--at N with a capsule of another model in the folder: replay instead, and say why."""
+    guarded_run(tmp_path / "nanprobe-capsules")
+    monkeypatch.chdir(tmp_path)
+    other = asset("guard_nan.py") + ":other_model"
+    report = diagnose(other, at=BAD)
+    assert report.reached_by == "replay from step 0"
+    assert any("not used" in n and "another model" in n for n in report.notes)
+
+
+def test_write_never_replaces_an_existing_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(C, "capsule_name", lambda step, rank, attempt=0:
+                        f"step{step:07d}-rank{rank}-fixed{'-' + str(attempt) if attempt else ''}{C.SUFFIX}")
+    taken = tmp_path / f"step0000003-rank0-fixed{C.SUFFIX}"
+    taken.write_bytes(b"the user's own file")
+    path = C.write({"step": 3, "rank": 0, "payload": torch.ones(1)}, tmp_path)
+    assert path.name == f"step0000003-rank0-fixed-1{C.SUFFIX}"
+    assert taken.read_bytes() == b"the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([taken.name, path.name])   # no temp file left

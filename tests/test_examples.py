@@ -79,4 +79,4 @@ def test_cli_json_shape_on_a_broken_example(tmp_path):
     assert data["command"] == "run" and data["schema"] == 1 and data["status"] == "nonfinite"
     assert data["origin"]["module"] == "normalize" and data["origin"]["phase"] == "forward"
     assert data["findings"][0]["cause"] == "div"
-    assert {"fp32", "bf16", "fp16"} <= set(data["precisions"])
+    assert {"fp32", "bf16"} <= set(data["precisions"])  # fp16 is skipped on CPU unless the run is fp16

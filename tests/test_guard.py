@@ -296,3 +296,35 @@ def test_bad_arguments_are_usage_errors(tmp_path):
         Guard("model", opt)
     with pytest.raises(TypeError):
         Guard(model, opt).step(1, 2, 3)
+
+
+@pytest.mark.parametrize("uses_host_rng", [False, True])
+def test_capsule_rng_is_the_state_at_step_start(tmp_path, uses_host_rng):
+    """rng_states auto: Python/numpy RNG copied per step only when a probe saw the step draw from them;
+    either way the capsule holds the states at the start of the bad step."""
+    import random
+
+    import numpy as np
+
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path)
+
+    def loss_fn(m, b):
+        if uses_host_rng:
+            _ = random.random() + np.random.rand()    # e.g. a stochastic-depth coin flip
+        return _loss(m, b)
+
+    starts = {}
+    for step, batch in enumerate(_batches(7, nan_at={6})):
+        random.random()
+        np.random.rand()                              # the data pipeline draws between steps
+        starts[step] = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())
+        with guard.step(batch):
+            opt.zero_grad(set_to_none=True)
+            guard.backward(loss_fn(model, batch))
+        guard.optimizer_step()
+    assert guard._host_rng_used is (True if uses_host_rng else None)
+    rng = torch.load(guard.capsules[0], weights_only=True)["rng"]
+    torch_state, py_state, np_keys = starts[6]
+    assert torch.equal(rng["torch"], torch_state)
+    assert rng["python"][1] == list(py_state[1]) and rng["numpy"][1] == np_keys

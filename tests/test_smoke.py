@@ -70,3 +70,40 @@ def test_smoke_steps_must_be_positive():
 def test_smoke_function_api(tmp_path):
     result = smoke(example("healthy_mlp.py") + ":target", steps=4, capsule_dir=tmp_path)
     assert result.exit_code == 0 and result.steps_run == 4
+
+
+def test_smoke_spike_fails_the_spike_check(tmp_path):
+    junit = tmp_path / "smoke.xml"
+    result = runner.invoke(app, ["smoke", asset("guard_nan.py") + ":spike", "--steps", "16", "--junit", str(junit),
+                                 "--capsule-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    root = ET.parse(junit).getroot()
+    (case,) = [c for c in root.findall(".//testcase") if c.find("failure") is not None]
+    assert case.get("name").startswith("spike:")
+    assert case.find("failure").get("message").startswith("step 14: loss/gradient spike")
+
+
+def test_smoke_update_that_corrupts_weights_is_diagnosed_by_replay(tmp_path):
+    """Finite gradients, non-finite weights after the update: the guard can't capsule the pre-update
+    state, so smoke replays from step 0 and names the update."""
+    result = smoke(example("adam_eps_zero.py") + ":target", steps=6, capsule_dir=tmp_path)
+    assert result.exit_code == 1
+    top = result.report.top
+    assert (result.report.step, top.phase.value, top.module) == (0, "update", "embed")
+    assert result.report.reached_by == "replay from step 0" and result.capsule is None
+
+
+def test_smoke_fp16_grad_scaler_target_is_healthy(tmp_path):
+    result = smoke(asset("guard_nan.py") + ":fp16_scaler", steps=10, capsule_dir=tmp_path)
+    assert result.exit_code == 0 and result.report.precision == "fp16"
+    assert not list(tmp_path.iterdir())
+
+
+def test_assert_trains_finite_takes_a_function_and_names_the_step():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("guard_nan_for_test", asset("guard_nan.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert assert_trains_finite(mod.healthy, steps=5).steps_run == 5
+    with pytest.raises(AssertionError, match=r"step 4: non-finite values born in forward at norm"):
+        assert_trains_finite(mod.target, steps=8)

@@ -54,6 +54,9 @@ def make_batches(bad_step=BAD_STEP, steps=STEPS, kind="tuple"):
 
 
 def loss_fn(model, batch):
+    if isinstance(batch, tuple) and len(batch) == 3:   # (x, y, loss multiplier): a loss spike on demand
+        x, y, scale = batch
+        return F.cross_entropy(model(x), y) * scale
     if isinstance(batch, dict):
         x, y = batch["x"], batch["y"]
     elif isinstance(batch, Batch):
@@ -98,3 +101,10 @@ def other_model():
     model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
     return {"model": model, "loss_fn": lambda m, b: F.cross_entropy(m(b[0]), b[1]),
             "batches": make_batches(-1), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def spike():
+    """A finite loss 1000x its running median at step 14 (the guard's default needs 10 steps of history)."""
+    t = build(bad_step=-1)
+    t["batches"] = [(x, y, 1000.0 if i == 14 else 1.0) for i, (x, y) in enumerate(make_batches(-1, steps=16))]
+    return t
