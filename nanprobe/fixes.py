@@ -51,7 +51,7 @@ def _attr(f: Finding) -> str:
 
 def _src(ev: Evidence) -> str:
     e = ev.origin
-    return f"  # {e.source}: {e.code}" if e is not None and e.source and e.code else ""
+    return f"\n# was, at {e.source}: {e.code}" if e is not None and e.source and e.code else ""
 
 
 def _device(ev: Evidence) -> str:
@@ -321,6 +321,12 @@ def _guard(f: Finding, ev: Evidence) -> Fix | None:
                why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
 
 
+def _show(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ", ".join(map(_show, value))
+    return str(value.value if hasattr(value, "value") else value)
+
+
 def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, Any]], bool | None] | None,
            *, verify_enabled: bool = True) -> list[Finding]:
     """Fill each finding's fixes from the catalog, verifying the cheap ones by a rerun."""
@@ -340,7 +346,7 @@ def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, An
                         cache[key] = verify(dict(overrides))
                     result = cache[key]
                     if result is not None:
-                        note = ", ".join(f"{k}={v.value if hasattr(v, 'value') else v}" for k, v in overrides.items())
+                        note = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items())
                         fix = dataclasses.replace(fix, verified=result,
                                                   verify_note=f"rerun of step {ev.reached.step} with {note}: "
                                                               + ("finite" if result else "still non-finite"))

@@ -100,6 +100,7 @@ def test_capsule_from_another_model_exits_2(tmp_path):
     assert "another model" in result.output
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_plain_pickle_is_refused(tmp_path):
     bad = tmp_path / "x.capsule.pt"
     bad.write_bytes(pickle.dumps({"a": 1}))
