@@ -43,6 +43,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             applied.append(bool(guard.optimizer_step()))
         events = [(e.step, e.local, e.rank) for e in guard.events]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"applied": applied, "events": events}))
+        dist.barrier()  # both ranks done before gloo tears down (else a rank can abort at exit)
     finally:
         dist.destroy_process_group()
 
