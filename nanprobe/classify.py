@@ -10,7 +10,7 @@ import math
 import re
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .checks import DataProblem
 from .config import RunConfig

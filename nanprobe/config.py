@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, get_origin
 
 import yaml
 

@@ -13,9 +13,7 @@ comparison's own overhead over it. Run:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,29 +23,13 @@ sys.path.insert(0, str(ROOT))
 
 from nanprobe.compare import _RUNS, compare_precisions  # noqa: E402
 from nanprobe.batch import map_tensors  # noqa: E402
+from benchlib import median_time  # noqa: E402
 from nanprobe.config import load_config  # noqa: E402
 from nanprobe.entry import load_target  # noqa: E402
 from nanprobe.loop import Snapshot  # noqa: E402
 from nanprobe.precision import Precision  # noqa: E402
 from nanprobe.replay import reach  # noqa: E402
 from nanprobe.rerun import run_step  # noqa: E402
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -84,14 +66,14 @@ def main() -> None:
         start.restore(target, None)  # compare_precisions replays from step 0 itself
         result = compare_precisions(loaded, at=args.at, config=cfg)
 
-    base = _median_time(plain, args.repeats * 5)
-    t_replay = _median_time(replay, args.repeats)
-    t_cmp = _median_time(compare, args.repeats)
+    base = median_time(plain, args.repeats * 5)
+    t_replay = median_time(replay, args.repeats)
+    t_cmp = median_time(compare, args.repeats)
     ran = [name for name, r in result.precisions.items() if r.ran]
     per = {}  # one plain step in each precision that ran: what the reruns cost at least (fp16 on CPU is slow)
     for name in ran:
         prec, scaler = _RUNS[name]
-        per[name] = _median_time(lambda: run_step(target, reached, prec, where=loaded.where, instrument=False,
+        per[name] = median_time(lambda: run_step(target, reached, prec, where=loaded.where, instrument=False,
                                                   grad_scaler=scaler, tolerate_errors=True), args.repeats * 3)
     floor = sum(per.values())
     params = sum(p.numel() for p in target.model.parameters())

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -22,28 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import median_time  # noqa: E402
 from nanprobe.config import load_config  # noqa: E402
 from nanprobe.diagnose import diagnose_target  # noqa: E402
 from nanprobe.entry import load_target  # noqa: E402
 from nanprobe.replay import reach  # noqa: E402
 from nanprobe.rerun import run_step  # noqa: E402
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -88,11 +70,11 @@ def main() -> None:
         with _Empty():
             run_step(target, reached, prec, where=loaded.where, instrument=False)
 
-    base = _median_time(plain, args.repeats * 3)
-    t_inst = _median_time(instrumented, args.repeats)
-    t_anom = _median_time(anomaly, args.repeats)
-    t_diag = _median_time(diagnosis, max(3, args.repeats // 2))
-    t_empty = _median_time(empty_mode, args.repeats)
+    base = median_time(plain, args.repeats * 3)
+    t_inst = median_time(instrumented, args.repeats)
+    t_anom = median_time(anomaly, args.repeats)
+    t_diag = median_time(diagnosis, max(3, args.repeats // 2))
+    t_empty = median_time(empty_mode, args.repeats)
     params = sum(p.numel() for p in target.model.parameters())
     print(f"entry: {args.entry}  step {reached.step}  precision {prec.value}  params {params:,}  "
           f"device {next(target.model.parameters()).device}  threads {torch.get_num_threads()}")
