@@ -42,6 +42,8 @@ def _one_error_line(result) -> str:
     (["run", asset("tiny.py") + ":target", "--precision", "fp8"], "unknown precision 'fp8'"),
     (["run", asset("tiny.py") + ":target", "--at", "-1"], "negative"),
     (["run", asset("tiny.py") + ":target", "--at", "99"], "batches ran out at step 5"),
+    (["run", asset("tiny.py") + ":target", "--autocast-policy", "tpu"], "unknown autocast policy 'tpu'"),
+    (["run", asset("tiny.py") + ":target", "--device", "nope:x"], "unknown device 'nope:x'"),
 ])
 def test_bad_input_exits_2_with_one_line(args, fragment):
     result = invoke(*args)
