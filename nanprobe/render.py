@@ -183,10 +183,14 @@ def render_comparison(cmp, console: Console) -> None:
                   + (f"  ·  {cmp.autocast_policy}" if cmp.autocast_policy else ""))
     console.print(Panel(lines, title=f"[bold]nanprobe compare-precisions: {title}[/]", title_align="left",
                         border_style="red" if bad else "green"))
-    t = Table(title=f"The same step in each precision (errors vs {cmp.reference})", title_justify="left")
-    for col in ("precision", "loss", "loss err", "grad norm", "grad cos", "headroom act", "headroom grad",
+    t = Table(title=f"The same step in each precision (errors vs {cmp.reference}; act/grad bits: headroom below "
+                    "the dtype's max, in powers of two)", title_justify="left", expand=True)
+    for col in ("precision", "loss", "loss err", "grad norm", "grad cos", "act bits", "grad bits",
                 "underflow", "first non-finite / note"):
-        t.add_column(col, justify="left" if col in ("precision", "first non-finite / note") else "right")
+        if col == "first non-finite / note":
+            t.add_column(col, justify="left", min_width=24, ratio=1)
+        else:
+            t.add_column(col, justify="left" if col == "precision" else "right", no_wrap=True)
     for name, r in cmp.precisions.items():
         label = name + (" (ref)" if r.reference else "")
         if not r.ran:
