@@ -1,0 +1,411 @@
+"""compare-precisions measuring: module outputs, output gradients and parameter gradients of one rerun,
+compared elementwise with the reference; the probes at a non-finite origin."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from ..batch import iter_tensors
+from ..instrument import LOSS_FN
+from ..report import Phase
+from ..rerun import StepTrace
+
+# -- capture: module outputs, their gradients and the parameter gradients of one rerun -----------------
+
+ROOT = "(model)"
+# "non-zero in the reference" means |ref| >= float32's smallest normal: an fp64 reference holds values
+# (e.g. exp(-700) in a saturated softmax) that no training precision keeps, and they weigh nothing.
+_FLOOR = float(torch.finfo(torch.float32).tiny)
+# per-row numbers: absmax (finite), non-finite count, sum (y-ref)^2, sum ref^2, underflowed, ref non-zero, dot, sum y^2
+_W = 8
+
+
+@contextlib.contextmanager
+def _quiet(device_type: str):
+    """Our own measuring ops: no autograd, no autocast, invisible to the OriginTracker's modes."""
+    with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes(), \
+            torch.autocast(device_type, enabled=False):
+        yield
+
+
+@dataclass(slots=True)
+class _Store:
+    """What the reference run keeps for the elementwise comparisons."""
+
+    budget: int                                           # bytes for outputs and gradient masks
+    used: int = 0
+    outputs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    grad_masks: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    full: bool = False
+
+    def fits(self, t: torch.Tensor, itemsize: int) -> bool:
+        need = t.numel() * itemsize
+        if self.used + need > self.budget:
+            self.full = True
+            return False
+        self.used += need
+        return True
+
+
+@dataclass(slots=True)
+class _Row:
+    kind: str            # out | grad | param
+    module: str
+    unique: bool         # first time this tensor is counted (a Sequential's output is its last child's)
+    dtype: str
+    compared: bool
+    values: torch.Tensor
+
+
+class _Capture:
+    def __init__(self, model: torch.nn.Module, store: _Store, *, reference: bool, low: torch.dtype, scale: float,
+                 device_type: str):
+        self.names = {id(m): (name or ROOT) for name, m in model.named_modules()}
+        self.params = list(model.named_parameters())
+        self.store, self.reference, self.low, self.scale = store, reference, low, scale
+        self.device_type = device_type
+        self.phase: Phase | None = None
+        self.calls: dict[str, int] = {}
+        self.order: list[str] = []
+        self.rows: list[_Row] = []
+        self._alive: dict[int, torch.Tensor] = {}
+        self._ref_by_id: dict[int, torch.Tensor] = {}
+        self._handle = None
+
+    def __enter__(self) -> _Capture:
+        self._handle = torch.nn.modules.module.register_module_forward_hook(self._forward, always_call=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+        self._alive.clear()
+        self._ref_by_id.clear()
+
+    def observe(self, phase: Phase) -> None:
+        self.phase = phase
+        if phase is not Phase.FORWARD:
+            self._alive.clear()
+            self._ref_by_id.clear()
+        if phase is Phase.UPDATE:
+            with _quiet(self.device_type):
+                self._param_grads()
+
+    def _forward(self, module, args, output) -> None:
+        name = self.names.get(id(module))
+        if name is None or self.phase is not Phase.FORWARD:
+            return
+        t = next((x for _, x in iter_tensors(output) if x.is_floating_point() and x.numel() > 0), None)
+        if t is None:
+            return
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        if call == 0:
+            self.order.append(name)
+        key = (name, call)
+        unique = id(t) not in self._alive
+        self._alive[id(t)] = t
+        with _quiet(self.device_type):
+            self._tensor("out", key, t.detach(), unique, id(t))
+        if t.requires_grad:
+            t.register_hook(lambda g, key=key, unique=unique: self._grad(key, g, unique))
+
+    def _grad(self, key: tuple[str, int], g: torch.Tensor, unique: bool) -> None:
+        with _quiet(self.device_type):
+            self._tensor("grad", key, g.detach(), unique, None)
+
+    def _tensor(self, kind: str, key: tuple[str, int], t: torch.Tensor, unique: bool, ident: int | None) -> None:
+        a = t.abs()
+        finite = torch.isfinite(a)
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        absmax = torch.where(finite, a, zero).amax().double()
+        nonfinite = (~finite).sum().double()
+        small = a < torch.finfo(t.dtype).tiny            # zero or subnormal in its own dtype
+        nought = torch.zeros((), dtype=torch.float64, device=t.device)
+        diff2 = ref2 = under = count = nought
+        compared = False
+        store = self.store
+        if self.reference:
+            if kind == "out":
+                kept = self._ref_by_id.get(ident) if ident is not None else None
+                if kept is None and store.fits(t, t.element_size()):
+                    kept = t.clone()
+                    self._ref_by_id[ident] = kept
+                if kept is not None:
+                    store.outputs[key] = kept
+                ref2 = t.double().square().sum()
+            elif store.fits(t, 1):
+                store.grad_masks[key] = t.abs() >= _FLOOR
+            count = (t.abs() >= _FLOOR).sum().double()
+            compared = True
+        else:
+            ref = (store.outputs if kind == "out" else store.grad_masks).get(key)
+            if ref is not None and ref.shape == t.shape:
+                if kind == "out":
+                    r = ref.double()
+                    diff2 = (t.double() - r).square().sum()
+                    ref2 = r.square().sum()
+                    nz = ref.abs() >= _FLOOR
+                else:
+                    nz = ref
+                under = (nz & small).sum().double()
+                count = nz.sum().double()
+                compared = True
+        self.rows.append(_Row(kind=kind, module=key[0], unique=unique, dtype=str(t.dtype).replace("torch.", ""),
+                              compared=compared,
+                              values=torch.stack([absmax, nonfinite, diff2, ref2, under, count, nought, nought])))
+
+    def _param_grads(self) -> None:
+        tiny = torch.finfo(self.low).tiny
+        for name, p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            g = g.detach()
+            module = name.rpartition(".")[0] or ROOT
+            a = g.abs()
+            finite = torch.isfinite(a)
+            absmax = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device)).amax().double()
+            nonfinite = (~finite).sum().double()
+            nought = torch.zeros((), dtype=torch.float64, device=g.device)
+            if self.reference:
+                self.store.grads[name] = g.clone()
+                r = g.double()
+                row = [absmax, nonfinite, nought, r.square().sum(), nought, (g.abs() >= _FLOOR).sum().double(),
+                       r.square().sum(), r.square().sum()]
+                compared = True
+            else:
+                ref = self.store.grads.get(name)
+                compared = ref is not None and ref.shape == g.shape
+                if not compared:
+                    row = [absmax, nonfinite] + [nought] * 6
+                else:
+                    r = ref.double()
+                    gu = g.double() / self.scale
+                    if g.dtype == self.low:
+                        small = a < tiny
+                    else:  # zero, or a subnormal of the compute dtype that came through it exactly
+                        small = (a == 0) | ((a < tiny) & (g.to(self.low).to(g.dtype) == g))
+                    nz = ref.abs() >= _FLOOR
+                    row = [absmax, nonfinite, (gu - r).square().sum(), r.square().sum(), (nz & small).sum().double(),
+                           nz.sum().double(), (gu * r).sum(), gu.square().sum()]
+            self.rows.append(_Row(kind="param", module=module, unique=True, dtype=str(g.dtype).replace("torch.", ""),
+                                  compared=compared, values=torch.stack(row)))
+
+    def finish(self) -> _Measured:
+        values: list[list[float]] = []
+        if self.rows:
+            try:  # one device sync for the whole run
+                values = torch.stack([r.values for r in self.rows]).tolist()
+            except RuntimeError:  # rows on several devices (a model split across GPUs)
+                values = torch.stack([r.values.cpu() for r in self.rows]).tolist()
+        return _Measured.build(self.rows, values, self.order)
+
+
+@dataclass(slots=True)
+class _Agg:
+    absmax: float = 0.0
+    nonfinite: float = 0.0
+    diff2: float = 0.0
+    ref2: float = 0.0
+    under: float = 0.0
+    count: float = 0.0
+    dot: float = 0.0
+    sq: float = 0.0
+    compared: bool = False
+    dtype: str | None = None
+
+    def add(self, v: list[float], compared: bool, dtype: str) -> None:
+        self.absmax = max(self.absmax, v[0])
+        self.nonfinite += v[1]
+        if compared:
+            self.diff2 += v[2]
+            self.ref2 += v[3]
+            self.under += v[4]
+            self.count += v[5]
+            self.dot += v[6]
+            self.sq += v[7]
+            self.compared = True
+        self.dtype = self.dtype or dtype
+
+    @property
+    def rel_err(self) -> float | None:
+        if not self.compared:
+            return None
+        if not math.isfinite(self.diff2):
+            return math.inf
+        if self.ref2 == 0:
+            return 0.0 if self.diff2 == 0 else math.inf
+        return math.sqrt(self.diff2 / self.ref2)
+
+    @property
+    def underflow(self) -> float | None:
+        return self.under / self.count if self.compared and self.count > 0 else None
+
+
+@dataclass(slots=True)
+class _Measured:
+    order: list[str]
+    modules: dict[str, dict[str, _Agg]]       # module -> kind -> aggregate
+    totals: dict[str, _Agg]                   # kind -> aggregate over unique tensors
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(agg.nonfinite for aggs in self.modules.values() for agg in aggs.values())
+
+    @classmethod
+    def build(cls, rows: list[_Row], values: list[list[float]], order: list[str]) -> _Measured:
+        modules: dict[str, dict[str, _Agg]] = {}
+        totals = {k: _Agg() for k in ("out", "grad", "param")}
+        total_ref2 = sum(v[3] for row, v in zip(rows, values) if row.kind == "param")
+        for row, v in zip(rows, values):
+            if row.kind == "param" and v[3] < 1e-12 * total_ref2:
+                v[4] = v[5] = 0.0  # a parameter whose reference gradient is ~0 (e.g. softmax-invariant) has no signal
+            modules.setdefault(row.module, {}).setdefault(row.kind, _Agg()).add(v, row.compared, row.dtype)
+            if row.unique:
+                totals[row.kind].add(v, row.compared, row.dtype)
+        return cls(order=order, modules=modules, totals=totals)
+
+
+class _LossTap:
+    """Wraps loss_fn to keep the loss at full precision (the step's record rounds it to float32)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.loss: torch.Tensor | None = None
+
+    def __call__(self, model, batch):
+        loss = self.fn(model, batch)
+        if isinstance(loss, torch.Tensor):
+            self.loss = loss.detach()
+        return loss
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+class _OpProbe(TorchDispatchMode):
+    """Copies the floating inputs and the output's largest finite |x| of one forward op call: ``op`` in
+    ``module``, its ``occurrence``-th call there, named and counted as the OriginTracker does."""
+
+    def __init__(self, model: torch.nn.Module, module: str | None, op: str, occurrence: int):
+        super().__init__()
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.module, self.op, self.occurrence = module, op, occurrence
+        self.stack: list[str] = []
+        self.count = 0
+        self.active = False
+        self.inputs: list[torch.Tensor] | None = None
+        self.out_absmax: float | None = None
+        self.out_bad: torch.Tensor | None = None    # where the first floating output is non-finite
+        self._handles: list[Any] = []
+
+    def observe(self, phase: Phase) -> None:
+        self.active = phase is Phase.FORWARD
+
+    def __enter__(self):
+        mm = torch.nn.modules.module
+        self._handles = [mm.register_module_forward_pre_hook(self._pre),
+                         mm.register_module_forward_hook(self._post, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def _pre(self, module, args) -> None:
+        name = self.names.get(id(module))
+        if name is not None and self.active:
+            self.stack.append(name)
+
+    def _post(self, module, args, output) -> None:
+        name = self.names.get(id(module))
+        if name is not None and self.active and self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.active and self.inputs is None and str(func) == self.op \
+                and (self.stack[-1] if self.stack else LOSS_FN) == self.module and _floats(out):
+            if self.count == self.occurrence:
+                self.inputs = [t.detach().clone() for t in _floats((args, kwargs))]
+                outs = _floats(out)
+                a = torch.stack([torch.where(torch.isfinite(t), t.abs(), 0).amax().double() for t in outs])
+                self.out_absmax = float(a.max().item())
+                self.out_bad = ~torch.isfinite(outs[0].detach())
+            self.count += 1
+        return out
+
+
+@dataclass(slots=True)
+class _OriginProbe:
+    """The origin op of a non-finite precision, seen again in the reference (and there)."""
+
+    would_reach: float | None           # the reference's largest |output| of that op
+    zeros: tuple[int, int] | None       # zeros among its inputs: here, in the reference
+    underflow: float | None             # input elements >= floor in the reference, zero/subnormal here
+    explains: float | None = None       # share of its non-finite outputs whose input underflowed
+
+
+def _input_underflow(here: _OpProbe, ref: _OpProbe) -> _OriginProbe:
+    zeros_here = zeros_ref = under = count = 0
+    bad = here.out_bad
+    hit = torch.zeros_like(bad) if bad is not None else None
+    for x, r in zip(here.inputs, ref.inputs):
+        if x.shape != r.shape:
+            continue
+        nz = r.abs() >= _FLOOR
+        flushed = nz & (x.abs() < torch.finfo(x.dtype).tiny)
+        zeros_here += int((x == 0).sum())
+        zeros_ref += int((r == 0).sum())
+        under += int(flushed.sum())
+        count += int(nz.sum())
+        if hit is not None and flushed.shape == hit.shape:
+            hit |= flushed
+    n_bad = int(bad.sum()) if bad is not None else 0
+    explains = int((hit & bad).sum()) / n_bad if n_bad else None
+    return _OriginProbe(would_reach=ref.out_absmax, zeros=(zeros_here, zeros_ref),
+                        underflow=under / count if count else None, explains=explains)
+
+
+# -- running the precisions -----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Run:
+    name: str
+    trace: StepTrace
+    measured: _Measured | None
+    loss: float | None
+    scale: float = 1.0
+
+
+def _dtype_max(dtype_name: str | None) -> float:
+    return float(torch.finfo(getattr(torch, dtype_name)).max) if dtype_name else math.inf
+
+
+def _bits(limit: float, absmax: float | None) -> float | None:
+    if absmax is None or absmax <= 0 or not math.isfinite(limit):
+        return None
+    if not math.isfinite(absmax):
+        return -math.inf
+    return math.log2(limit) - math.log2(absmax)
+
+
+def _pow2(x: float) -> str:
+    e = math.log2(x)
+    return f"2^{round(e)}" if abs(e - round(e)) < 0.05 else f"2^{e:.1f}"
+
+
+def _pct(x: float) -> str:
+    p = 100 * x
+    return "<0.01%" if p < 0.01 else f"{p:.0f}%" if p >= 10 else f"{p:.2g}%"

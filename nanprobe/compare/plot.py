@@ -1,0 +1,85 @@
+"""compare-precisions plot: per-layer |activation| and |gradient| maxima per precision (matplotlib)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from .records import Comparison
+
+
+# -- plot ------------------------------------------------------------------------------------------------
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib, which is not installed", "--plot",
+                         "Install it with: pip install 'nanprobe[plot]'") from None
+
+
+_PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
+    """Per-layer abs-max of activations and gradients for each precision, log axis, fp16/bf16 limits."""
+    path = Path(path)
+    if path.suffix.lower() not in _PLOT_SUFFIXES:
+        raise UsageError(f"cannot write a plot to {path}", "--plot",
+                         f"Give a file ending in {', '.join(_PLOT_SUFFIXES)}")
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    modules = [row.module for row in cmp.layers]
+    fig = Figure(figsize=(max(8.0, min(0.28 * len(modules) + 4, 30.0)), 8.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 1, sharex=True)
+    limits = [(torch.finfo(torch.float16).max, "fp16 max", "tab:red", "--"),
+              (torch.finfo(torch.float16).tiny, "fp16 smallest normal", "tab:red", ":"),
+              (torch.finfo(torch.bfloat16).max, "bf16 max", "tab:purple", "--"),
+              (torch.finfo(torch.bfloat16).tiny, "bf16 smallest normal", "tab:purple", ":")]
+    for ax, attr, title in ((axes[0], "out_absmax", "activations: max |module output|"),
+                            (axes[1], "grad_absmax", "gradients: max |d loss / d module output| (as held)")):
+        lows: list[float] = []
+        for name, run in cmp.precisions.items():
+            if not run.ran:
+                continue
+            xs, ys, bad_x, bad_y = [], [], [], []
+            for i, row in enumerate(cmp.layers):
+                s = row.stats.get(name)
+                if s is None:
+                    continue
+                v = getattr(s, attr)
+                finite = s.out_finite if attr == "out_absmax" else s.grad_finite
+                if v is not None and v > 0:
+                    xs.append(i)
+                    ys.append(v)
+                if not finite:
+                    bad_x.append(i)
+                    would = s.out_would_reach if attr == "out_absmax" else s.grad_would_reach
+                    bad_y.append(would or v or 1.0)
+            style = dict(color="black", linewidth=2.5, alpha=0.35) if run.reference else dict(linewidth=1.2)
+            line = ax.plot(xs, ys, marker="o", markersize=3, label=name + (" (reference)" if run.reference else ""),
+                           **style)[0]
+            lows.extend(ys)
+            if bad_x:
+                ax.scatter(bad_x, bad_y, marker="x", s=40, color=line.get_color(), label=f"{name} non-finite")
+        for value, label, color, style in limits:
+            ax.axhline(value, color=color, linestyle=style, linewidth=0.9, label=label)
+        ax.set_yscale("log")
+        floor = float(torch.finfo(torch.float32).smallest_normal) * 1e-3  # fp64-only magnitudes are off the chart
+        ax.set_ylim(max(min(lows + [limits[3][0]]) / 10, floor), limits[2][0] * 100)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0].legend(fontsize=7, ncols=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[1].set_xticks(range(len(modules)), modules, rotation=90, fontsize=6 if len(modules) > 30 else 7)
+    fig.suptitle(f"nanprobe compare-precisions: {cmp.entry} step {cmp.step} (reference {cmp.reference})",
+                 fontsize=10)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}", "--plot", "Give a writable path") from None
+    return path
