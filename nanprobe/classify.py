@@ -257,6 +257,24 @@ def not_reproduced_rule(ev: Evidence) -> list[Finding]:
 
 
 @rule
+def corrupted_state_rule(ev: Evidence) -> list[Finding]:
+    """Weights or buffers already non-finite before the step: an earlier update (or the checkpoint) did it."""
+    if ev.origin is not None or ev.main.finite:
+        return []
+    bad = [name for name, t in ev.reached.snapshot.model.items()
+           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return []
+    module = bad[0].rsplit(".", 1)[0] if "." in bad[0] else ""
+    return [_finding(Cause.LR_SPIKE, 0.5, None, [
+        f"{len(bad)} tensor(s) of the model are already non-finite before step {ev.reached.step} "
+        f"(first: {bad[0]}); nothing in this step produced them",
+        f"an earlier update (or the checkpoint {ev.reached.reached_by!r} started from) wrote them: "
+        "diagnose an earlier step with --at, or check the checkpoint",
+    ], phase=Phase.UPDATE, module=module, op=None)]
+
+
+@rule
 def origin_rule(ev: Evidence) -> list[Finding]:
     e = ev.origin
     if e is None:

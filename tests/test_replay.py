@@ -174,3 +174,22 @@ def test_python_random_is_restored():
     reached.snapshot.restore(t, None)
     assert random.getstate() == state
     assert not math.isnan(reached.record.loss)
+
+
+def test_state_already_nonfinite_is_explained_not_left_blank():
+    from nanprobe.diagnose import diagnose_target
+    from nanprobe.entry import Loaded
+
+    t = make()
+
+    def load_state(step):  # a checkpoint whose weights are already NaN
+        with torch.no_grad():
+            t.model.out.weight[0, 0] = float("nan")
+        return step
+
+    t.load_state = load_state
+    report = diagnose_target(Loaded(target=t, entry="t", module="t", function="t", path=None, lineno=None), at=2)
+    assert report.status is Status.NONFINITE and report.origin is None
+    top = report.top
+    assert top is not None and top.cause.value == "lr_spike" and top.module == "out"
+    assert "already non-finite before step 2" in top.evidence[0]
