@@ -436,7 +436,21 @@ def classify(ev: Evidence) -> list[Finding]:
         elif Cause.OVERFLOW in found:
             found[Cause.OVERFLOW] = _replace_conf(found[Cause.OVERFLOW], min(found[Cause.OVERFLOW].confidence,
                                                                          lr.confidence - 0.05))
+    if not found and ev.origin is not None:
+        f = _fallback(ev.origin)
+        found[f.cause] = f
     return sorted(found.values(), key=lambda f: -f.confidence)
+
+
+def _fallback(e: Event) -> Finding:
+    """No specific rule matched: say what is known, with a low confidence."""
+    if e.phase is Phase.UPDATE:
+        return _finding(Cause.LR_SPIKE, 0.4, e, [_origin_line(e), "the optimizer update turned finite gradients "
+                                                 "and weights into non-finite weights"])
+    cause = Cause.OVERFLOW if "inf" in e.kind else Cause.DOMAIN
+    return _finding(cause, 0.35, e, [_origin_line(e), f"no specific rule for {e.node or e.op}: {e.kind} from "
+                                     "finite inputs reads as " + ("an overflow" if cause is Cause.OVERFLOW
+                                                                  else "an out-of-domain input")])
 
 
 def _replace_conf(f: Finding, conf: float) -> Finding:
