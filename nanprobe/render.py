@@ -123,7 +123,9 @@ def _precisions(r: Report) -> Table:
 
 
 def _context(r: Report) -> Table:
-    t = Table(title="Module outputs up to the origin (forward order)", title_justify="left")
+    title = "Module outputs up to the origin" if r.origin is not None and r.origin.phase.value == "forward" \
+        else "The last module outputs of the forward pass"
+    t = Table(title=f"{title} (forward order)", title_justify="left")
     for col in ("module", "dtype", "|x| max", "min |x|>0", "zeros", "> fp16 max" if r.precision != "bf16"
                 else "> bf16 max", "subnormal"):
         t.add_column(col, justify="right" if col not in ("module", "dtype") else "left")
