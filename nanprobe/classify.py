@@ -6,6 +6,7 @@ A rule looks at the evidence of one diagnosed step and returns zero or more ``Fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import statistics
@@ -454,5 +455,4 @@ def _fallback(e: Event) -> Finding:
 
 
 def _replace_conf(f: Finding, conf: float) -> Finding:
-    import dataclasses
     return dataclasses.replace(f, confidence=max(0.0, min(conf, 0.99)))

@@ -103,7 +103,6 @@ class Probe:
 @dataclass(slots=True)
 class _ModuleStat:
     name: str
-    order: int
     op_index: int
     dtype: str
     stats: torch.Tensor        # [absmax, min_nonzero, zero_frac, over_frac, under_frac, nonfinite]
@@ -340,7 +339,7 @@ class OriginTracker:
                     (~zero & (a < self.limits.tiny)).float().mean(),
                     (~finite).float().sum(),
                 ])
-            self._module_stats.append(_ModuleStat(name=name, order=len(self._module_stats),
+            self._module_stats.append(_ModuleStat(name=name,
                                                   op_index=op_index,
                                                   dtype=str(t.dtype).replace("torch.", ""), stats=stats))
         finally:

@@ -127,10 +127,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
-def _clone_tree(obj: Any) -> Any:
-    return copy.deepcopy(obj)
-
-
 @dataclass(slots=True)
 class Snapshot:
     """Model, optimizer, scheduler, GradScaler and RNG state at one moment, restorable exactly."""
@@ -145,8 +141,8 @@ class Snapshot:
     @classmethod
     def take(cls, target: Target, scaler: torch.amp.GradScaler | None) -> Snapshot:
         model = {k: v.detach().clone() for k, v in target.model.state_dict().items()}
-        opt = _clone_tree(target.optimizer.state_dict()) if target.optimizer is not None else None
-        sched = _clone_tree(target.scheduler.state_dict()) if target.scheduler is not None \
+        opt = copy.deepcopy(target.optimizer.state_dict()) if target.optimizer is not None else None
+        sched = copy.deepcopy(target.scheduler.state_dict()) if target.scheduler is not None \
             and hasattr(target.scheduler, "state_dict") else None
         return cls(model=model, optimizer=opt, scheduler=sched,
                    scaler=scaler.state_dict() if scaler is not None else None,
@@ -156,9 +152,9 @@ class Snapshot:
         with torch.no_grad():
             target.model.load_state_dict(self.model)
         if self.optimizer is not None:
-            target.optimizer.load_state_dict(_clone_tree(self.optimizer))
+            target.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
         if self.scheduler is not None:
-            target.scheduler.load_state_dict(_clone_tree(self.scheduler))
+            target.scheduler.load_state_dict(copy.deepcopy(self.scheduler))
         if scaler is not None and self.scaler:
             scaler.load_state_dict(self.scaler)
         torch.set_num_threads(self.threads)
