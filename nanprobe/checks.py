@@ -50,13 +50,17 @@ class DataProblem:
     samples: tuple[int, ...]  # first sample indices (dim 0)
     value: float | None     # an example value
     message: str
+    micro: int | None = None  # the micro-batch of the step (gradient accumulation)
 
     def to_json(self) -> dict[str, Any]:
         value = self.value
         if value is not None and not math.isfinite(value):
             value = str(value)
-        return {"code": self.code, "level": self.level, "step": self.step, "key": self.key, "count": self.count,
-                "samples": list(self.samples), "value": value, "message": self.message}
+        out = {"code": self.code, "level": self.level, "step": self.step, "key": self.key, "count": self.count,
+               "samples": list(self.samples), "value": value, "message": self.message}
+        if self.micro is not None:
+            out["micro"] = self.micro
+        return out
 
 
 def is_label_key(path: str) -> bool:

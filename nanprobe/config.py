@@ -24,6 +24,8 @@ class ReplayConfig:
     grad_spike_factor: float = 100.0
     max_scaler_skips: int = 8
     history: int = 16
+    snapshot_every: int = 50
+    ratio_steps: int = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +38,7 @@ class RunConfig:
     lr_jump_factor: float = 5.0
     near_zero: float = 1e-30
     fp16_on_cpu: bool = False
+    fidelity_rtol_cuda: float = 1e-3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .checks import check_batch
+from . import fidelity
+from .checks import DataProblem, check_batch
 from .classify import Evidence, classify
 from .config import Config, load_config
 from .entry import Loaded, load_target
+from .errors import UsageError, UserCodeError
 from .fixes import attach
 from .instrument import Event, Probe
 from .precision import Precision, describe_device, device_of, limits, parse_precision
 from .replay import NoBadStep, Reached, reach
-from .report import Origin, PrecisionResult, Report, Status
+from .report import Cause, Origin, PrecisionResult, Report, Status
 from .rerun import StepTrace, resolve_backward_source, run_step
 from .target import Target
 
@@ -33,7 +36,7 @@ def origin_of(e: Event | None, precision: str) -> Origin | None:
     if e is None:
         return None
     return Origin(phase=e.phase, module=e.module, op=e.op, precision=precision, source=e.source, code=e.code,
-                  node=e.node, kind=e.kind, samples=e.samples, parameter=e.parameter)
+                  node=e.node, kind=e.kind, samples=e.samples, parameter=e.parameter, micro=e.micro)
 
 
 def _probe_for(e: Event | None) -> Probe | None:
@@ -45,44 +48,119 @@ def _probe_for(e: Event | None) -> Probe | None:
 def _result(t: StepTrace) -> PrecisionResult:
     if t.error:
         return PrecisionResult(precision=t.precision.value, loss=None, finite=False, note=t.error)
+    if not t.applied:
+        return PrecisionResult(precision=t.precision.value, loss=None, finite=False, note=t.note)
     rec = t.record
     finite = t.finite and not (t.trace and t.trace.events)
     return PrecisionResult(precision=t.precision.value, loss=rec.loss, finite=finite,
                            origin=origin_of(t.origin, t.precision.value), grad_norm=rec.grad_norm)
 
 
+def _healthy(loaded: Loaded, done: NoBadStep, prec: Precision, device: torch.device, cfg: Config, command: str,
+             policy: str) -> Report:
+    if done.steps == 0:
+        raise UsageError("batches yielded no batch: nothing was trained or checked", loaded.where,
+                         "Give the target at least one batch")
+    if done.data_ended:
+        ran = f" (the data ran out{f' after {done.epochs} epoch(s)' if done.epochs else ''})"
+    else:
+        ran = f" (the --max-steps limit {done.limit})"
+    return Report(command=command, entry=loaded.entry, step=None, status=Status.FINITE,
+                  device=describe_device(device), precision=prec.value,
+                  history=tuple(done.history[-cfg.replay.history:]),
+                  notes=(f"no non-finite value or spike in {done.steps} steps{ran}",),
+                  autocast_policy=autocast_policy(device, prec, policy), reached_by="replay from step 0")
+
+
+def check_data(reached: Reached, target: Target, prec: Precision, cfg: Config) -> list[DataProblem]:
+    """The data checks on every micro-batch of the step (``micro`` set under accumulation).
+
+    When the step raised and the target names no ``num_classes``, the model's output width stands
+    in for it (a label out of range makes cross_entropy raise before any NaN exists).
+    """
+    items = reached.recorded.items
+    out: list[DataProblem] = []
+    num_classes = target.num_classes
+    if num_classes is None and reached.error is not None and items and target.loss_fn is not None:
+        from .scan import infer_num_classes
+        reached.restore()
+        num_classes = infer_num_classes(target, items[0])
+        reached.restore()
+    for j, item in enumerate(items):
+        problems = check_batch(item, step=reached.step, ignore_index=target.ignore_index,
+                               num_classes=num_classes,
+                               range_max=limits(prec.dtype).max if prec.low else None,
+                               max_examples=cfg.scan.max_examples)
+        if len(items) > 1:
+            problems = [dataclasses.replace(p, micro=j, message=f"micro-batch {j}: {p.message}") for p in problems]
+        out += problems
+    return out
+
+
+def _position(reached: Reached) -> dict[str, Any] | None:
+    pos = reached.position
+    if pos is None:
+        return None
+    return {"epoch": pos.epoch, "index": pos.index, "items": list(pos.items),
+            "micro_batches": len(reached.recorded.items)}
+
+
 def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | Precision | None = None,
                     config: Config | None = None, max_steps: int | None = None, reached: Reached | None = None,
                     command: str = "run", on_progress: Callable[[str], None] | None = None,
                     policy: str = "native") -> Report:
-    """Diagnose one step of an already loaded target (or of a given ``reached`` state, e.g. a capsule)."""
+    """Diagnose one step of an already loaded target (or of a given ``reached`` state, e.g. a capsule).
+
+    The target's objects end in the state before the diagnosed step.
+    """
     cfg = config or load_config()
     target: Target = loaded.target
     prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
     device = device_of(target.model)
-    where = loaded.where
     progress = on_progress or (lambda msg: None)
     if reached is None:
         progress("replaying")
         try:
-            reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=where, max_steps=max_steps,
+            reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=loaded.where, max_steps=max_steps,
                             on_progress=lambda s: progress(f"replayed step {s}"), policy=policy)
         except NoBadStep as done:
-            return Report(command=command, entry=loaded.entry, step=None, status=Status.FINITE,
-                          device=describe_device(device), precision=prec.value, history=tuple(done.history[-cfg.replay.history:]),
-                          notes=(f"no non-finite value or spike in {done.steps} steps"
-                                 + (f" (the --max-steps limit {done.limit})" if done.steps >= done.limit else
-                                    " (the data ran out)"),),
-                          autocast_policy=autocast_policy(device, prec, policy), reached_by="replay from step 0")
+            return _healthy(loaded, done, prec, device, cfg, command, policy)
+    try:
+        return _diagnose(loaded, reached, cfg, command, progress)
+    finally:
+        reached.restore()
+
+
+def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
+              progress: Callable[[str], None]) -> Report:
+    target = loaded.target
+    where = loaded.where
+    device = device_of(target.model)
     prec = reached.precision
+    raised = reached.error is not None
     progress(f"rerunning step {reached.step} instrumented ({prec.value})")
-    main = run_step(target, reached, prec, where=where)
-    if resolve_backward_source(target, reached, main, where=where):
+    main = run_step(target, reached, prec, where=where, tolerate_errors=True)
+    if main.exc is not None and not raised:
+        raise main.exc   # the rerun raised where the replay did not: report the user's error as it is
+    comparable: list[tuple[str, StepTrace]] = [(f"instrumented {prec.value}", main)]
+    again = resolve_backward_source(target, reached, main, where=where)
+    if again is not None:
         progress("reran once more for the forward line of the backward origin")
-    data = check_batch(reached.batch, step=reached.step, ignore_index=target.ignore_index,
-                       num_classes=target.num_classes, range_max=limits(prec.dtype).max if prec.low else None,
-                       max_examples=cfg.scan.max_examples)
+        comparable.append((f"anomaly-mode {prec.value}", again))
+    data = check_data(reached, target, prec, cfg)
     mark_masked(main)
+    fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda)
+    if fid.reproduced is False:
+        progress(f"rerun of step {reached.step} differs from the replay: rerunning it once more")
+        second = run_step(target, reached, prec, where=where, instrument=False, tolerate_errors=True)
+        fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda, again=second)
+    evidence_found = bool(main.trace and main.trace.events) or any(p.level == "error" for p in data)
+    if raised and not evidence_found:
+        err = reached.error
+        pos = reached.position.describe() if reached.position else f"step {reached.step}"
+        raise UserCodeError(f"{err.during} at {pos}", err.exc,
+                            fix="No NaN/Inf and no data problem came before it: fix the error in your code, "
+                                "or rerun with --debug for the full traceback")
     reference = probe = None
     ref_prec = parse_precision(cfg.run.reference)
     if ref_prec is Precision.FP64 and device.type == "mps":
@@ -116,12 +194,18 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         p = overrides.pop("precision", prec)
         if p.value in traces and not overrides:
             t = traces[p.value]
-            return None if t.error else t.finite
+            return None if t.error or not t.applied else t.finite
         progress(f"verifying a fix ({', '.join(overrides) or p.value})")
         t = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True, **overrides)
-        return None if t.error else t.finite
+        return None if t.error or not t.applied else t.finite
 
     findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)
+    if fid.reproduced is False:
+        findings = [f if f.cause is Cause.NOT_REPRODUCED else dataclasses.replace(
+            f, confidence=round(f.confidence * 0.6, 3),
+            evidence=f.evidence + ("confidence lowered: the rerun does not reproduce the replayed step "
+                                   "(see fidelity)",)) for f in findings]
+        findings.sort(key=lambda f: -f.confidence)
     status = reached.status
     if status is Status.FINITE and (main.trace and main.trace.events or not main.finite):
         status = Status.NONFINITE
@@ -129,16 +213,24 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         status = Status.NONFINITE
     context = _context(main, cfg.run.context_modules)
     notes = list(reached.notes) + skipped_notes
+    error_line = None
+    if raised:
+        error_line = reached.error.message
+        notes.insert(0, f"the step raised: {error_line}")
+    if fid.reproduced is False:
+        notes.insert(0, "the rerun of this step does not reproduce the replayed one: " + "; ".join(fid.reasons[:2]))
     for name, t in traces.items():
-        if t.error:
+        if t.error and not (raised and name == prec.value):
             notes.append(f"{name} rerun could not run: {t.error}")
+        if t.note:
+            notes.append(f"{name} rerun: {t.note}")
+    history = tuple(reached.history[-cfg.replay.history:]) + ((reached.record,) if reached.record else ())
     return Report(command=command, entry=loaded.entry, step=reached.step, status=status,
                   device=describe_device(device), precision=prec.value, origin=origin_of(main.origin, prec.value),
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
-                  context=context, history=tuple(reached.history[-cfg.replay.history:]) + (
-                      (reached.record,) if reached.record else ()),
+                  context=context, history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),
-                  reached_by=reached.reached_by,
+                  reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})
 
@@ -171,8 +263,11 @@ def _context(t: StepTrace, n: int):
 
 
 def _event_json(e: Event) -> dict[str, Any]:
-    return {"phase": e.phase.value, "module": e.module, "op": e.op, "node": e.node, "kind": e.kind,
-            "source": e.source, "masked": e.masked, "samples": list(e.samples)}
+    out = {"phase": e.phase.value, "module": e.module, "op": e.op, "node": e.node, "kind": e.kind,
+           "source": e.source, "masked": e.masked, "samples": list(e.samples)}
+    if e.micro is not None:
+        out["micro"] = e.micro
+    return out
 
 
 def diagnose(entry: str, *, at: int | None = None, precision: str | None = None, config: Config | None = None,

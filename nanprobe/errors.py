@@ -84,6 +84,10 @@ class UserCodeError(NanprobeError):
                          fix or "Fix the error in your code, or rerun with --debug for the full traceback")
 
 
+class DataLoadError(UserCodeError):
+    """The user's data pipeline raised while nanprobe fetched a batch (not a training step's error)."""
+
+
 class CapsuleError(NanprobeError):
     """A capsule that is unreadable, truncated, not a capsule, or from another model."""
 

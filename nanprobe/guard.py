@@ -23,13 +23,13 @@ from . import capsule as _capsule
 from .config import Config, GuardConfig, _build, load_config
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .precision import Precision, device_of, parse_precision
+from .state import RngTracker, capture_rng, module_tensor_attrs
+from .target import named
 
 logger = logging.getLogger("nanprobe.guard")
 
 POLICIES = ("skip", "raise", "record")
 RNG_MODES = ("auto", "all", "torch")
-_PROBES_AT_START = 3      # rng_states auto: first checked steps that test whether a step uses random/numpy
-_PROBE_EVERY = 100        # ... and then every this many checked steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,8 +122,11 @@ class Guard:
     A GradScaler's normal skipped steps (inf gradients while it lowers the scale) are not failures;
     ``max_scaler_skips`` of them in a row are. Persistent buffers that change in the forward pass
     (BatchNorm running stats) are copied at the start of checked steps and put back when a step is
-    skipped. Gradient accumulation: enter ``guard.step(...)`` for each micro-batch; the step number
-    advances at ``optimizer_step``, and a capsule holds the last micro-batch.
+    skipped. Gradient accumulation: enter ``guard.step(micro_batch)`` for each micro-batch (right
+    after fetching it) and call ``guard.backward`` on each loss; the step number advances at
+    ``optimizer_step``, and a capsule holds every micro-batch with the RNG state after each fetch.
+    ``optimizer`` and ``scheduler`` may be lists (or dicts): ``optimizer_step`` steps every optimizer
+    (one GradScaler ``update``), and a capsule holds all of their state.
     ``enabled=False`` turns the guard into the plain loop (no checks, no syncs).
     """
 
@@ -135,9 +138,11 @@ class Guard:
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"Guard(model=...) got {type(model).__name__}", "nanprobe.Guard",
                              "Pass the torch.nn.Module being trained")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise UsageError(f"Guard(optimizer=...) got {type(optimizer).__name__}", "nanprobe.Guard",
-                             "Pass the torch.optim.Optimizer that updates the model")
+        optimizers = named(optimizer, "optimizer")
+        for name, opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise UsageError(f"Guard({name}=...) got {type(opt).__name__}", "nanprobe.Guard",
+                                 "Pass the torch.optim.Optimizer(s) that update the model")
         try:
             self.precision = parse_precision(precision)
         except ValueError:
@@ -157,8 +162,10 @@ class Guard:
                              "Use 1 to check every step, or k to check every k-th step")
         self.model = model
         self.optimizer = optimizer
+        self.optimizers = [o for _, o in optimizers]
         self.scaler = scaler
         self.scheduler = scheduler
+        self.schedulers = [s for _, s in named(scheduler, "scheduler")]
         self.entry = entry
         self.cfg = cfg
         self.enabled = bool(enabled)
@@ -168,10 +175,12 @@ class Guard:
         self._device_type = device_of(_capsule.unwrap(model)).type
         self._next = int(start_step)        # number of the next step
         self._current: int | None = None    # number of the step in progress (after guard.step entered)
-        self._batch: Any = None
-        self._rng: dict[str, Any] | None = None
-        self._host_rng_used: bool | None = None   # does a step draw from Python random / numpy? (None: unknown)
-        self._probes = 0
+        self._batches: list[Any] = []       # the step's micro-batches (by reference)
+        self._rng: dict[str, Any] | None = None   # at the step's start (the first guard.step)
+        self._micro_rng: list[dict[str, Any]] = []  # after each micro-batch was fetched (each guard.step)
+        self._rngs = RngTracker(self._device_type, cfg.rng_states)
+        self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # module tensor attributes
+        self._carried: dict[str, Any] = {}
         self._loss: torch.Tensor | None = None
         self._consecutive = 0
         self._scaler_skips = 0
@@ -217,44 +226,25 @@ class Guard:
             self._current = self._next
         if not self.enabled:
             return self._current
-        self._batch = batch
-        if self._current % self.cfg.check_every == 0:
-            self._rng = _capsule.capture_rng(self._device_type, host=self._capture_host())
+        if self._current % self.cfg.check_every != 0:
+            return self._current
+        if not self._batches:   # the step's first micro-batch: its start
+            self._rngs.begin_step()
+            self._rng = self._rngs.capture()
+            self._micro_rng = [self._rng]
             if self._buffers:
                 torch._foreach_copy_(self._shadow, self._buffers)
+            if self._attrs:
+                self._carried = {qual: getattr(m, attr, None) for m, attr, qual in self._attrs}
+        else:
+            self._micro_rng.append(self._rngs.capture())
+        self._batches.append(batch)
         return self._current
-
-    def _capture_host(self) -> bool:
-        """Whether to copy the Python/numpy RNG states at this step start (``rng_states``).
-
-        ``auto`` copies them on probe steps (the first few, then every 100th checked step) and
-        keeps copying them on every step once a probe saw the step draw from them; otherwise
-        their state at capsule time equals the state at step start. This saves ~10-40 us per step.
-        """
-        mode = self.cfg.rng_states
-        if mode == "all" or mode == "auto" and self._host_rng_used:
-            return True
-        if mode == "torch":
-            return False
-        return self._probes < _PROBES_AT_START or self._probes % _PROBE_EVERY == 0
-
-    def _probe_host_rng(self) -> None:
-        """rng_states auto: on a probe step, did the step change the Python/numpy RNG state?"""
-        if self.cfg.rng_states != "auto" or self._host_rng_used or self._rng is None:
-            return
-        start = self._rng
-        if "python" in start:
-            now = _capsule.capture_rng("cpu", host=True)
-            changed = now["python"] != start["python"] or (
-                "numpy" in start and not _capsule.same_numpy_state(now.get("numpy"), start["numpy"]))
-            if changed:
-                self._host_rng_used = True
-        self._probes += 1
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(scaler.scale(loss) if scaler else loss).backward(**kwargs)``, and notes the loss (no sync)."""
         if self.enabled:
-            d = loss.detach()
+            d = loss.detach().float().reshape(())
             self._loss = d if self._loss is None else self._loss + d
         scaler = self._active_scaler()
         (scaler.scale(loss) if scaler is not None else loss).backward(**kwargs)
@@ -274,8 +264,9 @@ class Guard:
             self._current = None
             self._next = step + 1
             self._loss = None
-            self._batch = None
+            self._batches = []
             self._rng = None
+            self._micro_rng = []
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -284,27 +275,28 @@ class Guard:
         return s if s is not None and s.is_enabled() else None
 
     def _params(self) -> list[torch.Tensor]:
-        if self.optimizer is not None:
-            return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.optimizers:
+            return [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
         return [p for p in self.model.parameters() if p.grad is not None]
 
     def _unscale(self, scaler: torch.amp.GradScaler) -> None:
-        if self.optimizer is None:
-            return
-        try:
-            scaler.unscale_(self.optimizer)
-        except RuntimeError as exc:
-            if "already been called" not in str(exc):
-                raise
+        for opt in self.optimizers:
+            try:
+                scaler.unscale_(opt)
+            except RuntimeError as exc:
+                if "already been called" not in str(exc):
+                    raise
 
     def _apply(self, scaler: torch.amp.GradScaler | None) -> None:
-        if self.optimizer is None:
+        if not self.optimizers:
             return
         if scaler is not None:
-            scaler.step(self.optimizer)
+            for opt in self.optimizers:
+                scaler.step(opt)
             scaler.update()
         else:
-            self.optimizer.step()
+            for opt in self.optimizers:
+                opt.step()
 
     def _optimizer_step(self, step: int, max_grad_norm: float | None,
                         grad_norm: torch.Tensor | float | None) -> bool:
@@ -324,7 +316,9 @@ class Guard:
             self._apply(scaler)
             return True
 
-        self._probe_host_rng()
+        self._rngs.end_step()
+        if self._attrs is None:   # after the first step's forward: tensors modules keep as attributes
+            self._attrs = [a for a in module_tensor_attrs(_capsule.unwrap(self.model))]
         loss = self._loss
         rank, world = _distributed()
         loss_v, norm_v, others_bad = self._read(loss, norm, scaler, world > 1)
@@ -424,9 +418,9 @@ class Guard:
                 self._t_norm = cfg.grad_spike_factor * med if med > 0 else math.inf
 
     def _lr(self) -> float | None:
-        if self.optimizer is None or not self.optimizer.param_groups:
+        if not self.optimizers or not self.optimizers[0].param_groups:
             return None
-        lr = self.optimizer.param_groups[0].get("lr")
+        lr = self.optimizers[0].param_groups[0].get("lr")
         if isinstance(lr, torch.Tensor):
             return float(lr) if lr.device.type == "cpu" else None
         return float(lr) if isinstance(lr, (int, float)) else None
@@ -465,8 +459,8 @@ class Guard:
             self._apply(scaler)
             applied, action = True, "recorded"
         else:
-            if self.optimizer is not None:
-                self.optimizer.zero_grad(set_to_none=True)
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.update(scaler.get_scale())   # keep the scale; reset its per-step state
             applied = False
@@ -499,16 +493,22 @@ class Guard:
         limit = self.cfg.max_capsules
         if limit == 0 or (limit == 1 and self.capsules):
             return None
-        rng = dict(self._rng) if self._rng is not None else _capsule.capture_rng(self._device_type)
+        rng = dict(self._rng) if self._rng is not None else capture_rng(self._device_type)
+        micro_rng = [dict(r) for r in self._micro_rng] or [rng]
         if "python" not in rng:   # not copied at step start: the step does not draw from them (rng_states)
-            rng.update(_capsule.capture_rng("cpu", host=True))
-            rng["torch"] = self._rng["torch"]
-        data = _capsule.build(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=scaler,
-                              batch=self._batch, rng=rng, step=step, precision=self.precision, status=status,
-                              reason=reason, record=_hist(step, loss_v, norm_v, lr, finite=status != "nonfinite",
-                                                          skipped=False),
+            host = capture_rng("cpu", host=True)
+            for r in [rng, *micro_rng]:
+                r.update({k: v for k, v in host.items() if k in ("python", "numpy")})
+        carried = {"attrs": {q: v for q, v in self._carried.items()
+                             if v is None or isinstance(v, (torch.Tensor, tuple, list))}} if self._carried else {}
+        data = _capsule.build(model=self.model, optimizers=self.optimizers, schedulers=self.schedulers,
+                              scalers=[scaler] if scaler is not None else [],
+                              micro_batches=self._batches if self._batches else None, rng=rng, micro_rng=micro_rng,
+                              step=step, precision=self.precision, status=status, reason=reason,
+                              record=_hist(step, loss_v, norm_v, lr, finite=status != "nonfinite", skipped=False),
                               history=list(self._history), entry=self.entry, rank=rank, world_size=world,
-                              local=local, max_grad_norm=max_grad_norm)
+                              local=local, max_grad_norm=max_grad_norm, carried=carried,
+                              grad_scaler=scaler is not None)
         path = _capsule.write(data, self.capsule_dir)
         self.capsules.append(path)
         while len(self.capsules) > limit:   # keep the first capsule (the first bad step) and the newest

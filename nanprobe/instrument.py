@@ -84,6 +84,7 @@ class Event:
     update_info: dict[str, Any] | None = None
     masked: bool = False       # set later when the step's loss stayed finite
     node_seq: int | None = None  # backward: the node's creation order in the step (finds it again in a rerun)
+    micro: int | None = None   # the micro-batch being processed (gradient accumulation)
 
 
 @dataclass(slots=True)
@@ -214,11 +215,13 @@ class OriginTracker:
     (the step function in ``rerun`` does this).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+    def __init__(self, model: torch.nn.Module,
+                 optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None, *,
                  low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
                  ranges: bool = True, source_of_node: int | None = None, context: int = 6):
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = [] if optimizers is None else (
+            [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers))
         self.names = {id(m): name for name, m in model.named_modules()}
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.limits: Limits = limits(low_dtype or torch.float16)
@@ -228,7 +231,10 @@ class OriginTracker:
         self.active = False
         self.stack: list[str] = []
         self.node_labels: dict[Any, str] = {}       # autograd node -> module that created it
-        self.base_seq = 0                             # sequence number at the start of the forward
+        self.base_seq = 0                             # sequence number at the start of the step
+        self._started = False
+        self.micro: int | None = None                 # micro-batch in progress (accumulation)
+        self._micros = 1
         self.source_of_node = source_of_node          # node_seq whose forward line to read (anomaly rerun)
         self._want_ranges = ranges
         self._module_stats: list[_ModuleStat] = []
@@ -263,15 +269,22 @@ class OriginTracker:
         self._finish_ranges()
 
     def set_phase(self, phase: Phase) -> None:
-        if phase is Phase.FORWARD:
+        if phase is Phase.FORWARD and not self._started:   # node numbers count from the step's start
+            self._started = True
             self.active = False
             self.base_seq = _next_sequence_nr()
             self.active = True
-        elif self.phase is Phase.FORWARD:
+        elif phase is not Phase.FORWARD and self.phase is Phase.FORWARD:
             self._flush_recent()
         self.phase = phase
-        if phase is Phase.UPDATE and self.optimizer is not None:
+        if phase is Phase.UPDATE and self.optimizers:
             self._index_optimizer()
+
+    def set_micro(self, j: int, batch_size: int | None, count: int) -> None:
+        """The step moved on to micro-batch ``j`` (of ``count``) with ``batch_size`` samples."""
+        self.micro = j
+        self._micros = count
+        self.batch_size = batch_size
 
     # -- module tracking -----------------------------------------------------------------
     def current_module(self) -> str:
@@ -359,15 +372,16 @@ class OriginTracker:
     # -- update phase --------------------------------------------------------------------
     def _index_optimizer(self) -> None:
         names: dict[int, tuple[str, str]] = {}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                pname = self.param_names.get(id(p), "?")
-                names[p.untyped_storage().data_ptr()] = (pname, "param")
-                if p.grad is not None:
-                    names[p.grad.untyped_storage().data_ptr()] = (pname, "grad")
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 1:
-                        names[value.untyped_storage().data_ptr()] = (pname, key)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    pname = self.param_names.get(id(p), "?")
+                    names[p.untyped_storage().data_ptr()] = (pname, "param")
+                    if p.grad is not None:
+                        names[p.grad.untyped_storage().data_ptr()] = (pname, "grad")
+                    for key, value in opt.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor) and value.numel() > 1:
+                            names[value.untyped_storage().data_ptr()] = (pname, key)
         self._storage_names = names
 
     def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
@@ -379,8 +393,10 @@ class OriginTracker:
             info: dict[str, Any] = {"parameter": pname, "role": role}
             params = dict(self.model.named_parameters())
             p = params.get(pname)
-            if p is not None and self.optimizer is not None:
-                for group in self.optimizer.param_groups:
+            opt = next((o for o in self.optimizers for g in o.param_groups if any(q is p for q in g["params"])),
+                       None) if p is not None else None
+            if opt is not None:
+                for group in opt.param_groups:
                     if any(q is p for q in group["params"]):
                         info["lr"] = _scalar(group.get("lr"))
                         if "eps" in group:
@@ -388,8 +404,8 @@ class OriginTracker:
                         if "weight_decay" in group:
                             info["weight_decay"] = _scalar(group["weight_decay"])
                         break
-                state = self.optimizer.state.get(p, {})
-                info["optimizer"] = type(self.optimizer).__name__
+                state = opt.state.get(p, {})
+                info["optimizer"] = type(opt).__name__
                 for key in ("exp_avg_sq", "square_avg", "sum", "exp_avg"):
                     v = state.get(key)
                     if isinstance(v, torch.Tensor) and v.numel():
@@ -480,7 +496,8 @@ class OriginTracker:
             out_nonfinite=nonfinite, out_numel=bad_out.numel(), samples=samples,
             inputs=[_tensor_stats(t) for t in inputs + mutated],
             scalars=[_scalar(s) for s in scalars[:6]], occurrence=occ,
-            parameter=parameter, update_info=update_info, node_seq=node_seq))
+            parameter=parameter, update_info=update_info, node_seq=node_seq,
+            micro=self.micro if self._micros > 1 else None))
 
     def _node_name(self) -> str | None:
         if self.phase is not Phase.BACKWARD:

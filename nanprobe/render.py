@@ -69,6 +69,11 @@ def _verdict(r: Report) -> Panel:
         what = {"nonfinite": "non-finite values", "spike": "loss/gradient spike", "error": "error"}[r.status.value]
         born = f" born in {o.phase.value}" if o else ""
         title, style = f"step {r.step}: {what}{born}", "red"
+        pos = _position(r)
+        if pos:
+            lines.add_row("data", pos)
+        if r.error:
+            lines.add_row("raised", r.error)
         if o:
             op = f"{o.node} ({o.op})" if o.node else o.op
             lines.add_row("where", f"{o.module or '(model)'}   {op}   [{o.precision}]  → {o.kind}")
@@ -77,7 +82,8 @@ def _verdict(r: Report) -> Panel:
             if o.parameter:
                 lines.add_row("parameter", o.parameter)
             if o.samples:
-                lines.add_row("samples", ", ".join(map(str, o.samples)))
+                micro = f"micro-batch {o.micro}: " if o.micro is not None else ""
+                lines.add_row("samples", micro + ", ".join(map(str, o.samples)))
         top = r.top
         if top:
             specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES)] or list(top.evidence)
@@ -85,7 +91,27 @@ def _verdict(r: Report) -> Panel:
     lines.add_row("run", f"{r.entry}  ·  {r.precision}  ·  {r.device}"
                   + (f"  ·  {r.autocast_policy}" if r.autocast_policy else "")
                   + (f"  ·  reached by {r.reached_by}" if r.reached_by else ""))
+    fid = r.fidelity
+    if fid is not None and fid.reproduced is False:
+        lines.add_row("[yellow]fidelity[/]", "[yellow]the rerun does not reproduce the replayed step "
+                      f"({fid.tolerance}); confidence lowered. Likely: {fid.reasons[0] if fid.reasons else '?'}[/]")
     return Panel(lines, title=f"[bold]nanprobe {r.command}: {title}[/]", border_style=style, title_align="left")
+
+
+def _position(r: Report) -> str | None:
+    """Where the step sits in the data: epoch, step of the epoch, batches, micro-batches."""
+    p = r.position
+    if not p:
+        return None
+    parts = []
+    if p.get("epoch") is not None:
+        parts.append(f"epoch {p['epoch']}, step {p['index']} of the epoch")
+    items = p.get("items") or []
+    if items:
+        parts.append(f"batch {items[0]}" if len(items) == 1 else f"batches {items[0]}-{items[-1]}")
+    if p.get("micro_batches", 1) > 1:
+        parts.append(f"{p['micro_batches']} micro-batches")
+    return ", ".join(parts) or None
 
 
 def _findings(r: Report) -> Table:
@@ -137,11 +163,13 @@ def _context(r: Report) -> Table:
 
 def _history(r: Report) -> Table:
     t = Table(title="Recent steps", title_justify="left")
-    for col in ("step", "loss", "grad norm", "lr", "|dw|/|w|", "note"):
+    epochs = any(h.epoch is not None for h in r.history)
+    for col in ("step",) + (("epoch",) if epochs else ()) + ("loss", "grad norm", "lr", "|dw|/|w|", "note"):
         t.add_column(col, justify="right" if col != "note" else "left")
     for h in r.history[-6:]:
         note = "skipped (GradScaler)" if h.skipped else ("" if h.finite else "[red]non-finite[/]")
-        t.add_row(str(h.step), g(h.loss), g(h.grad_norm), g(h.lr), g(h.update_ratio), note)
+        epoch = (f"{h.epoch}.{h.index}" if h.epoch is not None else "-",) if epochs else ()
+        t.add_row(str(h.step), *epoch, g(h.loss), g(h.grad_norm), g(h.lr), g(h.update_ratio), note)
     return t
 
 

@@ -1,8 +1,15 @@
-"""Reach the exact state just before step N: deterministic replay from step 0, or the user's load_state.
+"""Reach the exact state just before step N: replay from step 0 (or the user's load_state) in the
+user's loop order, then hand over that state, the step's recorded micro-batches and the check's view.
 
-Every replayed step gets a cheap check (one device sync): loss, gradient norm and updated
-parameters finite; loss and gradient-norm spikes against a running median. GradScaler's normal
-skipped steps are not failures; a long run of them is.
+Every replayed step gets one cheap check (one device sync): loss, gradient norm and parameters
+finite; loss and gradient-norm spikes against a running median; GradScaler's normal skips are
+not failures, a long run of them is.
+
+With ``--at N`` nothing is copied until step N; its state is captured at its start. Without
+``--at`` the bad step is found first; its state is then rebuilt from a rolling snapshot (taken
+every ``replay.snapshot_every`` steps) by replaying the recorded steps since, so failures born in
+the optimizer update are reached as exactly as those born in the forward pass. When the user's
+code raises inside a step, that step is the bad one.
 """
 
 from __future__ import annotations
@@ -10,33 +17,34 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .batch import clone_batch
 from .config import ReplayConfig
 from .errors import TargetError, UsageError, UserCodeError
-from .loop import Snapshot, StepOutcome, make_scaler, train_step
+from .feed import DataEnd, Position, Recorded, Stream
 from .precision import Precision, device_of
 from .report import Status, StepRecord
+from .state import RngTracker, Snapshot, module_tensor_attrs, set_rng
+from .step import Loop, RunOptions, StepOutcome
 from .target import Target, call_user
 
 
 @dataclass(slots=True)
 class Reached:
-    """The state before the step to diagnose, and what the replay saw on the way."""
+    """The state before the step to diagnose, the step's inputs, and what the replay saw on the way."""
 
     step: int
-    batch: Any
+    recorded: Recorded                 # the step's micro-batches and the RNG after each fetch
     snapshot: Snapshot
+    loop: Loop
     precision: Precision
-    scaler: torch.amp.GradScaler | None
     status: Status                     # what the cheap check saw at `step`
     reason: str | None                 # e.g. "loss is nan"
-    record: StepRecord | None          # the check's numbers at `step`
+    record: StepRecord | None          # the check's numbers at `step` (None: the step raised)
     history: list[StepRecord] = field(default_factory=list)   # steps before `step`
     update_ratios: dict[str, float] = field(default_factory=dict)  # per parameter, the step before
     reached_by: str = "replay from step 0"
@@ -44,101 +52,95 @@ class Reached:
     policy: str = "native"             # autocast op policy: native, or "cuda" emulated on CPU
     scheduler_kind: str | None = None  # e.g. "LambdaLR"
     scheduler_base_lrs: tuple[float, ...] = ()
+    error: UserCodeError | None = None  # the user's code raised during this step
+    earlier: list[StepRecord] = field(default_factory=list)  # bad steps before `step` (with --at)
 
+    @property
+    def position(self) -> Position | None:
+        return self.recorded.position
 
-def batch_source(target: Target) -> Callable[[int], Any]:
-    """step -> batch; step k uses the k-th batch of a fresh iterator (or batches(k))."""
-    batches = target.batches
-    if callable(batches) and not isinstance(batches, Iterable):
-        return lambda step: call_user(f"batches({step})", batches, step)
-    it: Iterator[Any] = call_user("iter(batches)", iter, batches)
-    position = 0
+    @property
+    def batches(self) -> list[Any]:
+        return self.recorded.items
 
-    def get(step: int) -> Any:  # called with consecutive steps from `start`
-        nonlocal position
-        while position < step:
-            call_user("next(batches)", next, it)
-            position += 1
-        position += 1
-        return call_user("next(batches)", next, it)
+    @property
+    def batch(self) -> Any:
+        """The step's batch (one item), or the list of its micro-batches under accumulation."""
+        items = self.recorded.items
+        return items[0] if len(items) == 1 else list(items)
 
-    return get
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.loop.scaler
+
+    def restore(self) -> None:
+        self.snapshot.restore(self.loop.objects)
 
 
 def scheduler_info(target: Target) -> dict[str, Any]:
-    sched = target.scheduler
-    if sched is None:
+    scheds = target.schedulers
+    if not scheds:
         return {}
+    sched = scheds[0][1]
     base = getattr(sched, "base_lrs", None) or []
     return {"scheduler_kind": type(sched).__name__,
             "scheduler_base_lrs": tuple(float(b) for b in base if isinstance(b, (int, float)))}
 
 
-class _Spikes:
+# -- the per-step check -----------------------------------------------------------------------------
+
+class Judge:
+    """Non-finite values, spikes against a running median, and runs of GradScaler skips."""
+
     def __init__(self, cfg: ReplayConfig):
         self.cfg = cfg
         self.losses: deque[float] = deque(maxlen=cfg.spike_window)
         self.norms: deque[float] = deque(maxlen=cfg.spike_window)
+        self.skips = 0
 
-    def check(self, loss: float | None, norm: float | None) -> str | None:
-        reason = None
-        if loss is not None and len(self.losses) >= self.cfg.min_history:
+    def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:
+        reason = _nonfinite_reason(record, params_finite)
+        status = Status.NONFINITE if reason else Status.FINITE
+        if record.skipped and _finite(record.loss) and params_finite:   # GradScaler's normal skip
+            self.skips += 1
+            reason, status = None, Status.FINITE
+            if self.skips > self.cfg.max_scaler_skips:
+                scale = f" (scale now {record.scale:g})" if record.scale is not None else ""
+                reason, status = f"GradScaler skipped {self.skips} steps in a row{scale}", Status.NONFINITE
+        else:
+            self.skips = 0
+        if reason is None:
+            spike = self._spike(record.loss, None if record.skipped else record.grad_norm)
+            if spike:
+                reason, status = spike, Status.SPIKE
+        return status, reason
+
+    def _spike(self, loss: float | None, norm: float | None) -> str | None:
+        cfg = self.cfg
+        if loss is not None and len(self.losses) >= cfg.min_history:
             med = statistics.median(self.losses)
-            if loss - med > (self.cfg.loss_spike_factor - 1) * max(abs(med), 1e-12):
-                reason = f"loss spike: {loss:.4g} vs running median {med:.4g} ({loss / med if med > 0 else math.inf:.1f}x)"
-        if reason is None and norm is not None and len(self.norms) >= self.cfg.min_history:
+            if loss - med > (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12):
+                times = f"{loss / med:.1f}x" if med > 0 else "inf x"
+                return f"loss spike: {loss:.4g} vs running median {med:.4g} ({times})"
+        if norm is not None and len(self.norms) >= cfg.min_history:
             med = statistics.median(self.norms)
-            if med > 0 and norm > self.cfg.grad_spike_factor * med:
-                reason = f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)"
-        return reason
+            if med > 0 and norm > cfg.grad_spike_factor * med:
+                return f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)"
+        return None
 
-    def add(self, loss: float | None, norm: float | None) -> None:
-        if loss is not None and math.isfinite(loss):
-            self.losses.append(loss)
-        if norm is not None and math.isfinite(norm):
-            self.norms.append(norm)
-
-
-def _params(target: Target) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p) for n, p in target.model.named_parameters()]
+    def add(self, record: StepRecord) -> None:
+        if _finite(record.loss):
+            self.losses.append(record.loss)
+        if _finite(record.grad_norm) and not record.skipped:
+            self.norms.append(record.grad_norm)
 
 
-def measure(target: Target, before: Snapshot, outcome: StepOutcome, step: int, *,
-            updates: bool = True) -> tuple[StepRecord, dict[str, float], bool]:
-    """The cheap check of one finished step, with one device sync."""
-    named = [(n, p) for n, p in _params(target) if n in before.model]
-    params = [p.detach() for _, p in named]
-    parts = [outcome.loss.float().reshape(1)]
-    parts.append((outcome.grad_norm.float() if outcome.grad_norm is not None
-                  else torch.zeros((), device=outcome.loss.device)).reshape(1))
-    n = len(params)
-    if params and updates:
-        old = [before.model[name] for name, _ in named]
-        parts.append(torch.stack(torch._foreach_norm(params)).float())
-        parts.append(torch.stack(torch._foreach_norm(torch._foreach_sub(params, old))).float())
-        parts.append(torch.stack(torch._foreach_norm(old)).float())
-    values = torch.cat([p.to(outcome.loss.device) for p in parts]).tolist()
-    loss, gnorm = values[0], values[1] if outcome.grad_norm is not None else None
-    ratios: dict[str, float] = {}
-    params_finite = True
-    ratio = None
-    if params and updates:
-        after, delta, prev = values[2:2 + n], values[2 + n:2 + 2 * n], values[2 + 2 * n:2 + 3 * n]
-        params_finite = all(math.isfinite(v) for v in after)
-        for (name, _), d, w in zip(named, delta, prev):
-            ratios[name] = d / w if w > 0 else (math.inf if d > 0 else 0.0)
-        # global |dw| / |w|: per-parameter ratios of near-zero tensors (fresh biases) are meaningless
-        total_w = math.sqrt(sum(w * w for w in prev))
-        total_d = math.sqrt(sum(d * d for d in delta))
-        ratio = total_d / total_w if total_w > 0 else (math.inf if total_d > 0 else 0.0)
-    finite = math.isfinite(loss) and params_finite and (gnorm is None or math.isfinite(gnorm) or outcome.skipped)
-    record = StepRecord(step=step, loss=loss, grad_norm=gnorm, lr=outcome.lr, update_ratio=ratio,
-                        finite=finite, skipped=outcome.skipped, scale=outcome.scale)
-    return record, ratios, params_finite
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
 
 
-def _reason(record: StepRecord, params_finite: bool) -> str | None:
-    if not math.isfinite(record.loss):
+def _nonfinite_reason(record: StepRecord, params_finite: bool) -> str | None:
+    if record.loss is not None and not math.isfinite(record.loss):
         return f"loss is {record.loss}"
     if record.grad_norm is not None and not math.isfinite(record.grad_norm) and not record.skipped:
         return f"gradient norm is {record.grad_norm}"
@@ -147,15 +149,175 @@ def _reason(record: StepRecord, params_finite: bool) -> str | None:
     return None
 
 
+def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: dict[str, torch.Tensor] | None = None,
+            position: Position | None = None) -> tuple[StepRecord, dict[str, float], bool]:
+    """The cheap check of one finished step, read back with one device sync.
+
+    ``before`` (the parameters the step started from, by name) adds the update ratios |dw|/|w|.
+    """
+    model = loop.target.model
+    device = outcome.loss.device if outcome.loss is not None else device_of(model)
+    nan = torch.full((1,), math.nan, device=device)
+    parts = [outcome.loss.float().reshape(1).to(device) if outcome.loss is not None else nan,
+             outcome.grad_norm.float().reshape(1).to(device) if outcome.grad_norm is not None else nan,
+             outcome.found_inf.float().reshape(1).to(device) if outcome.found_inf is not None else nan,
+             outcome.scale.float().reshape(1).to(device) if outcome.scale is not None else nan]
+    old_by_name = before or {}
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    params = [p for _, p in named]
+    n = len(params)
+    if params:
+        parts.append(torch.stack([x.float() for x in torch._foreach_norm(params)]).to(device))
+        if before is not None:
+            olds = [old_by_name[name].to(p.dtype) for name, p in named]
+            parts.append(torch.stack([x.float() for x in torch._foreach_norm(torch._foreach_sub(params, olds))])
+                         .to(device))
+            parts.append(torch.stack([x.float() for x in torch._foreach_norm(olds)]).to(device))
+    values = torch.cat(parts).tolist()   # the one device sync
+    loss = values[0] if outcome.loss is not None else None
+    gnorm = values[1] if outcome.grad_norm is not None else None
+    skipped = outcome.found_inf is not None and values[2] > 0
+    scale = values[3] if outcome.scale is not None else None
+    ratios: dict[str, float] = {}
+    ratio = None
+    params_finite = True
+    if params:
+        after = values[4:4 + n]
+        params_finite = all(math.isfinite(v) for v in after)
+        if before is not None:
+            delta, prev = values[4 + n:4 + 2 * n], values[4 + 2 * n:4 + 3 * n]
+            for (name, _), d, w in zip(named, delta, prev):
+                ratios[name] = d / w if w > 0 else (math.inf if d > 0 else 0.0)
+            # global |dw| / |w|: per-parameter ratios of near-zero tensors (fresh biases) are meaningless
+            total_w = math.sqrt(sum(w * w for w in prev))
+            total_d = math.sqrt(sum(d * d for d in delta))
+            ratio = total_d / total_w if total_w > 0 else (math.inf if total_d > 0 else 0.0)
+    finite = (loss is None or math.isfinite(loss)) and params_finite and (
+        gnorm is None or math.isfinite(gnorm) or skipped)
+    losses = {}
+    for k, v in outcome.losses.items():
+        losses[k] = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+    record = StepRecord(step=step, loss=loss, grad_norm=gnorm, lr=outcome.lr, update_ratio=ratio,
+                        finite=finite, skipped=skipped, scale=scale,
+                        epoch=position.epoch if position else None, index=position.index if position else None,
+                        losses=losses)
+    return record, ratios, params_finite
+
+
+# -- light capture: what a step that raises before any update needs to be undone -------------------
+
+@dataclass(slots=True)
+class _Light:
+    rng: dict[str, Any]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    flags: list[tuple[torch.nn.Module, bool]]
+
+
+class NoBadStep(Exception):
+    """Replay finished (data exhausted or --max-steps) without a bad step."""
+
+    def __init__(self, steps: int, history: list[StepRecord], limit: int, *, data_ended: bool = False,
+                 epochs: int | None = None, last: Reached | None = None):
+        self.steps = steps
+        self.history = history
+        self.limit = limit
+        self.data_ended = data_ended
+        self.epochs = epochs
+        self.last = last          # the state before the last replayed step (reach(keep_last=True))
+        super().__init__(f"no bad step in {steps} steps")
+
+
+class Replayer:
+    """Runs the target's steps in order from its current state, with the cheap check."""
+
+    def __init__(self, target: Target, *, precision: Precision, cfg: ReplayConfig, where: str,
+                 policy: str = "native"):
+        self.target, self.cfg, self.where, self.policy = target, cfg, where, policy
+        self.loop = Loop(target, where, precision, policy)
+        self.device_type = self.loop.device_type
+        self.rng = RngTracker(self.device_type)
+        self.stream = Stream(target, self.rng)
+        self.judge = Judge(cfg)
+        self.notes: list[str] = []
+        self._observed = False
+        self._buffers = [b for _, b in target.model.named_buffers()]
+
+    @property
+    def precision(self) -> Precision:
+        return self.loop.precision
+
+    def options(self) -> RunOptions:
+        return RunOptions(precision=self.loop.precision, policy=self.policy)
+
+    def light(self) -> _Light:
+        return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],
+                      flags=[(m, m.training) for m in self.target.model.modules()])
+
+    def undo_light(self, light: _Light) -> None:
+        with torch.no_grad():
+            for live, saved in light.buffers:
+                live.copy_(saved)
+        for m, flag in light.flags:
+            m.training = flag
+        set_rng(light.rng)
+        for _, opt in self.loop.target.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """A copy of the parameters (for the update ratio of one step)."""
+        return {n: p.detach().clone() for n, p in self.target.model.named_parameters()}
+
+    def run(self, feed, *, before: dict[str, torch.Tensor] | None = None
+            ) -> tuple[StepOutcome, StepRecord, dict[str, float], bool]:
+        """Run one live step and check it."""
+        self.rng.begin_step()
+        try:
+            outcome = self.loop.run(feed, self.options())
+        finally:
+            self.rng.end_step()
+        if not self._observed:
+            self._observed = True
+            self._observe(outcome)
+        record, ratios, params_finite = measure(self.loop, outcome, feed.step, before=before,
+                                                position=feed.position)
+        return outcome, record, ratios, params_finite
+
+    def _observe(self, outcome: StepOutcome) -> None:
+        """After the first step: what the step function really trains in, and state kept on modules."""
+        if self.target.step_fn is not None and outcome.autocast:
+            seen = outcome.autocast[0]
+            observed = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(seen)
+            if observed is not None and observed is not self.loop.precision:
+                self.notes.append(f"your step_fn trains under torch.autocast({seen}); the target says "
+                                  f"{self.loop.precision.value}: using {observed.value}")
+                self.loop.precision = observed
+        self.loop.objects.attrs = module_tensor_attrs(self.target.model)
+
+    def replay(self, recorded: Recorded) -> StepOutcome:
+        """Run a recorded step again (no fetch): the state goes where the live run took it."""
+        return self.loop.run(recorded.feed(), self.options())
+
+
+def _bad_record_note(record: StepRecord, reason: str) -> str:
+    return f"step {record.step} was already bad ({reason})"
+
+
 def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayConfig, where: str,
           max_steps: int | None = None, on_progress: Callable[[int], None] | None = None,
-          policy: str = "native") -> Reached:
-    """Replay to step ``at`` (or to the first bad step) and return the state before it."""
-    if at is not None and at < 0:
+          policy: str = "native", keep_last: bool = False) -> Reached:
+    """Replay to step ``at`` (or to the first bad step) and return the state before it.
+
+    The target's objects are left in that state. Without a bad step, NoBadStep is raised; with
+    ``keep_last`` it carries the state before the last replayed step.
+    """
+    if at is not None and (isinstance(at, bool) or at < 0):
         raise UsageError(f"--at {at} is negative", "--at", "Give a step number >= 0")
-    device_type = device_of(target.model).type
-    scaler = make_scaler(target, precision, device_type)
-    start, reached_by, notes = 0, "replay from step 0", []
+    if max_steps is not None and max_steps < 1:
+        raise UsageError(f"--max-steps {max_steps} is not a positive number of steps", "--max-steps",
+                         "Give N >= 1")
+    r = Replayer(target, precision=precision, cfg=cfg, where=where, policy=policy)
+    start, reached_by = 0, "replay from step 0"
+    notes: list[str] = []
     if at is not None and target.load_state is not None:
         restored = call_user(f"load_state({at})", target.load_state, at)
         if isinstance(restored, bool) or not isinstance(restored, int) or not 0 <= restored <= at:
@@ -163,66 +325,157 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
                               f"Return the step your checkpoint restores, an int between 0 and {at}")
         start, reached_by = restored, f"load_state({at}) -> step {restored}, then replay"
         notes.append("RNG state comes from your checkpoint code; nanprobe replays from there deterministically.")
-    limit = max_steps if max_steps is not None else cfg.max_steps
-    get_batch = batch_source(target)
-    spikes = _Spikes(cfg)
-    history: deque[StepRecord] = deque(maxlen=max(cfg.history, 1))
-    ratios: dict[str, float] = {}
-    skips = 0
-    step = start
-    while True:
-        if at is None and step - start >= limit:
-            raise NoBadStep(step, list(history), limit)
         try:
-            batch = get_batch(step)
+            r.stream.skip(start)
+        except DataEnd:
+            raise UsageError(f"batches ran out at step {r.stream.next_step}, before the checkpoint's step {start}",
+                             where, "Give batches that reach the checkpoint's step") from None
+    if at is not None:
+        return _reach_at(r, at, start, reached_by, notes, on_progress)
+    limit = max_steps if max_steps is not None else cfg.max_steps
+    return _reach_first_bad(r, start, limit, reached_by, notes, on_progress, keep_last)
+
+
+def _open(r: Replayer, k: int):
+    try:
+        return r.stream.open(k)
+    except DataEnd:
+        return None
+
+
+def _reached(r: Replayer, k: int, recorded: Recorded, snap: Snapshot, status: Status, reason: str | None,
+             record: StepRecord | None, history, ratios, reached_by: str, notes: list[str],
+             error: UserCodeError | None = None, earlier: list[StepRecord] | None = None) -> Reached:
+    return Reached(step=k, recorded=recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
+                   status=status, reason=reason, record=record, history=list(history), update_ratios=ratios,
+                   reached_by=reached_by, notes=notes + r.notes, policy=r.policy, error=error,
+                   earlier=list(earlier or []), **scheduler_info(r.target))
+
+
+def _raised(exc: UserCodeError, k: int, position: Position | None) -> str:
+    where = position.describe() if position else f"step {k}"
+    return f"{exc.during} raised {type(exc.exc).__name__} at {where}"
+
+
+def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str],
+              on_progress: Callable[[int], None] | None) -> Reached:
+    history: deque[StepRecord] = deque(maxlen=max(r.cfg.history, 1))
+    earlier: list[StepRecord] = []
+    ratios: dict[str, float] = {}
+    ratio_from = at - max(r.cfg.ratio_steps, 0)
+    for k in range(start, at + 1):
+        feed = _open(r, k)
+        if feed is None:
+            epochs = f" ({r.stream.epoch + 1} epoch(s) of {r.target.epochs})" if not r.stream.callable else ""
+            raise UsageError(f"batches ran out at step {k}{epochs}, before --at {at}", r.where,
+                             "Give a step the data reaches, raise 'epochs', or make batches longer")
+        if k == at:
+            snap = r.loop.objects.take()
+            try:
+                outcome, record, step_ratios, params_finite = r.run(feed, before=snap.model)
+            except UserCodeError as exc:
+                recorded = Recorded.of_partial(feed)
+                snap.restore(r.loop.objects)
+                return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
+                                history, ratios, reached_by, notes, error=exc, earlier=earlier)
+            status, reason = r.judge.judge(record, params_finite)
+            snap.restore(r.loop.objects)
+            return _reached(r, k, Recorded.of(feed), snap, status, reason, record, history, ratios, reached_by,
+                            notes, earlier=earlier)
+        light = r.light()
+        before = r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
+        try:
+            outcome, record, step_ratios, params_finite = r.run(feed, before=before)
         except UserCodeError as exc:
-            if not isinstance(exc.exc, StopIteration):
-                raise
-            if at is not None:
-                raise UsageError(f"batches ran out at step {step}, before --at {at}", where,
-                                 "Give a step that the data reaches, or make batches longer") from None
-            raise NoBadStep(step, list(history), limit) from None
-        pristine = clone_batch(batch)
-        snap = Snapshot.take(target, scaler)
-        outcome = train_step(target, batch, precision, scaler, where=where, policy=policy)
-        record, step_ratios, params_finite = measure(target, snap, outcome, step)
-        reason = _reason(record, params_finite)
-        status = Status.NONFINITE if reason else Status.FINITE
-        if record.skipped and math.isfinite(record.loss):  # GradScaler's normal skip: overflowed scaled grads
-            skips += 1
-            reason = None
-            status = Status.FINITE
-            if skips > cfg.max_scaler_skips:
-                reason = f"GradScaler skipped {skips} steps in a row (scale now {record.scale:g})"
-                status = Status.NONFINITE
-        else:
-            skips = 0
-        if reason is None:
-            spike = spikes.check(record.loss, None if record.skipped else record.grad_norm)
-            if spike:
-                reason, status = spike, Status.SPIKE
+            # the step raised: it is the bad step (the run cannot go past it); undo what it did
+            recorded = Recorded.of_partial(feed)
+            if r.loop.updates_in_step:
+                raise UsageError(f"{_raised(exc, k, feed.position)}, after an optimizer update, before --at {at}",
+                                 r.where, f"Run without --at (nanprobe then rebuilds the state before step {k})") \
+                    from exc
+            r.undo_light(light)
+            snap = r.loop.objects.take(rng=light.rng)
+            notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
+            return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
+                            history, ratios, reached_by, notes, error=exc, earlier=earlier)
+        status, reason = r.judge.judge(record, params_finite)
+        if status is not Status.FINITE:
+            earlier.append(record)
+            if len([n for n in notes if "was already bad" in n]) < 3:
+                notes.append(_bad_record_note(record, reason) + f"; diagnosing --at {at} as asked "
+                             f"(nanprobe run --at {k} diagnoses step {k})")
         if on_progress:
-            on_progress(step)
-        if reason is not None or step == at:
-            snap.restore(target, scaler)  # leave the objects in the state before the diagnosed step
-            if at is not None and step < at:
-                notes.append(f"step {step} already failed before --at {at} ({reason}); diagnosing step {step}.")
-            return Reached(step=step, batch=pristine, snapshot=snap, precision=precision, scaler=scaler,
-                           status=status, reason=reason, record=record, history=list(history),
-                           update_ratios=ratios, reached_by=reached_by, notes=notes, policy=policy,
-                           **scheduler_info(target))
-        spikes.add(record.loss, record.grad_norm)
+            on_progress(k)
+        r.judge.add(record)
         history.append(record)
         ratios = step_ratios
-        step += 1
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-class NoBadStep(Exception):
-    """Replay finished (data exhausted or --max-steps) without a bad step."""
+def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes: list[str],
+                     on_progress: Callable[[int], None] | None, keep_last: bool = False) -> Reached:
+    history: deque[StepRecord] = deque(maxlen=max(r.cfg.history, 1))
+    every = max(r.cfg.snapshot_every, 1)
+    rolling: Snapshot | None = None
+    log: list[Recorded] = []
+    k = start
 
-    def __init__(self, steps: int, history: list[StepRecord], limit: int):
-        self.steps = steps
-        self.history = history
-        self.limit = limit
-        super().__init__(f"no bad step in {steps} steps")
+    def last() -> Reached | None:
+        """The state before the last replayed step (rebuilt from the rolling snapshot)."""
+        if not keep_last or not log:
+            return None
+        snap, ratios = _rebuild(r, rolling, log[:-1])
+        rec = history[-1]
+        return _reached(r, rec.step, log[-1], snap, Status.FINITE, None, rec, list(history)[:-1], ratios,
+                        reached_by, notes)
 
+    while True:
+        if k - start >= limit:
+            raise NoBadStep(k - start, list(history), limit, last=last())
+        feed = _open(r, k)
+        if feed is None:
+            raise NoBadStep(k - start, list(history), limit, data_ended=True,
+                            epochs=None if r.stream.callable else r.stream.epoch + 1, last=last())
+        if rolling is None or len(log) >= every:
+            # the state at step k's start; its first micro-batch is already fetched, and replaying the
+            # log puts the RNG where that fetch left it, so the snapshot may be taken after it
+            rolling = r.loop.objects.take()
+            log = []
+        try:
+            outcome, record, step_ratios, params_finite = r.run(feed)
+        except UserCodeError as exc:
+            recorded = Recorded.of_partial(feed)
+            snap, ratios = _rebuild(r, rolling, log)
+            return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
+                            history, ratios, reached_by, notes, error=exc)
+        recorded = Recorded.of(feed)
+        status, reason = r.judge.judge(record, params_finite)
+        if on_progress:
+            on_progress(k)
+        if status is not Status.FINITE:
+            snap, ratios = _rebuild(r, rolling, log)
+            return _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes)
+        log.append(recorded)
+        r.judge.add(record)
+        history.append(record)
+        k += 1
+
+
+def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded]) -> tuple[Snapshot, dict[str, float]]:
+    """The state before the step after ``log``: the rolling snapshot, then the logged steps again.
+
+    Returns the snapshot and the update ratios of the step before.
+    """
+    rolling.restore(r.loop.objects)
+    ratios: dict[str, float] = {}
+    for i, rec in enumerate(log):
+        before = r.params() if i == len(log) - 1 else None
+        outcome = r.replay(rec)
+        if before is not None:
+            _, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
+    if not log:
+        return rolling, ratios
+    return r.loop.objects.take(), ratios
+
+
+__all__ = ["Reached", "reach", "NoBadStep", "measure", "Judge", "Replayer", "scheduler_info"]

@@ -58,11 +58,12 @@ class Origin:
     samples: tuple[int, ...] = ()  # batch rows that carry the first non-finite values
     key: str | None = None       # batch key path for input origins
     parameter: str | None = None  # update origins: the parameter that blew up
+    micro: int | None = None     # the micro-batch being processed (gradient accumulation)
 
     def to_json(self) -> dict[str, Any]:
         out = {"phase": self.phase.value, "module": self.module, "op": self.op,
                "precision": self.precision, "source": self.source}
-        for name in ("code", "node", "kind", "key", "parameter"):
+        for name in ("code", "node", "kind", "key", "parameter", "micro"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -154,11 +155,36 @@ class StepRecord:
     finite: bool
     skipped: bool = False        # GradScaler skipped the update
     scale: float | None = None
+    epoch: int | None = None     # the epoch the step belongs to (None: callable batches)
+    index: int | None = None     # the step's position within its epoch
+    losses: dict[str, float] = field(default_factory=dict)  # per micro-batch or per loss the step returned
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "loss": _num(self.loss), "grad_norm": _num(self.grad_norm),
-                "lr": _num(self.lr), "update_ratio": _num(self.update_ratio), "finite": self.finite,
-                "skipped": self.skipped, "scale": _num(self.scale)}
+        out = {"step": self.step, "loss": _num(self.loss), "grad_norm": _num(self.grad_norm),
+               "lr": _num(self.lr), "update_ratio": _num(self.update_ratio), "finite": self.finite,
+               "skipped": self.skipped, "scale": _num(self.scale)}
+        if self.epoch is not None:
+            out["epoch"], out["index"] = self.epoch, self.index
+        if self.losses:
+            out["losses"] = {k: _num(v) for k, v in self.losses.items()}
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fidelity:
+    """Does the rerun reproduce the step the replay (or the guarded run) saw?"""
+
+    reproduced: bool | None          # None: nothing comparable
+    tolerance: str                   # "bitwise" (CPU) or "rtol 0.001" (CUDA)
+    replayed: dict[str, Any]         # {"loss": ..., "grad_norm": ..., "raised": ...} of the replayed step
+    reruns: tuple[dict[str, Any], ...] = ()   # each comparable rerun: {"rerun": ..., "loss", "grad_norm", "match"}
+    reasons: tuple[str, ...] = ()    # likely reasons when not reproduced
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(d: dict[str, Any]) -> dict[str, Any]:
+            return {k: (_num(v) if isinstance(v, float) else v) for k, v in d.items()}
+        return {"reproduced": self.reproduced, "tolerance": self.tolerance, "replayed": clean(self.replayed),
+                "reruns": [clean(r) for r in self.reruns], "reasons": list(self.reasons)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,6 +203,9 @@ class Report:
     notes: tuple[str, ...] = ()
     autocast_policy: str | None = None
     reached_by: str | None = None            # "replay from step 0", "load_state(...)", "capsule ..."
+    position: dict[str, Any] | None = None   # {"epoch", "index", "items", "micro_batches"} of the step
+    fidelity: Fidelity | None = None
+    error: str | None = None                 # the user's code raised in this step: the one-line message
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -200,7 +229,11 @@ class Report:
             "notes": list(self.notes),
             "autocast_policy": self.autocast_policy,
             "reached_by": self.reached_by,
+            "position": self.position,
+            "fidelity": self.fidelity.to_json() if self.fidelity else None,
         }
+        if self.error:
+            out["error"] = self.error
         out.update(self.extra)
         return out
 

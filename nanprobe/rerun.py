@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
-from .batch import clone_batch, map_tensors
+from .batch import map_tensors
 from .errors import UserCodeError
 from .instrument import Event, OriginTracker, Probe, Trace
-from .loop import StepOutcome, batch_size, train_step
 from .precision import Precision, device_of
 from .replay import Reached, measure
 from .report import Phase, StepRecord
+from .state import Snapshot
+from .step import _KEEP, Loop, RunOptions, StepOutcome, batch_size
 
 
 @dataclass(slots=True)
@@ -25,6 +26,10 @@ class StepTrace:
     trace: Trace | None
     update_ratios: dict[str, float] = field(default_factory=dict)
     error: str | None = None          # the rerun itself failed (e.g. dtype not supported here)
+    exc: UserCodeError | None = None  # ... with the user's exception
+    note: str | None = None           # e.g. the precision could not be applied to a step_fn
+    applied: bool = True              # the asked precision was applied
+    outcome: StepOutcome | None = None  # the step's own tensors (e.g. the loss at full precision)
 
     @property
     def finite(self) -> bool:
@@ -65,12 +70,11 @@ def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
 
 
 @contextlib.contextmanager
-def _float64(target, snapshot):
+def _float64(loop: Loop, snapshot: Snapshot):
     """Run the step in float64: parameters, buffers and gradients widened in place (same objects),
-    the optimizer state reloaded (cast to float64), default dtype float64. On exit, errors too, every
-    tensor gets its original dtype back; the caller's final ``snapshot.restore`` then reloads the values
-    and the optimizer state (cast back to the original dtypes)."""
-    model = target.model
+    the optimizer state following them, default dtype float64. On exit, errors too, every tensor
+    gets its original dtype back; the caller's final restore then reloads values and state."""
+    model = loop.target.model
     saved = [(t, t.dtype) for t in [*model.parameters(), *model.buffers()]
              if t.is_floating_point() and t.dtype != torch.float64]
     default = torch.get_default_dtype()
@@ -88,7 +92,7 @@ def _float64(target, snapshot):
             for t, _ in saved:
                 cast(t, torch.float64)
         torch.set_default_dtype(torch.float64)
-        snapshot.restore(target, None)  # exact values again; optimizer state follows the parameters' dtype
+        snapshot.restore(loop.objects)  # exact values again; optimizer state follows the parameters' dtype
         yield
     finally:
         torch.set_default_dtype(default)
@@ -109,80 +113,122 @@ def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | No
     return set_phase
 
 
+def _scaler_for(loop: Loop, reached: Reached, precision: Precision, grad_scaler: bool | None,
+                scale: float | None) -> Any:
+    """The GradScaler a ``loss_fn`` rerun uses (RunOptions.scaler): the loop's own in its precision,
+    none outside fp16, a fresh one where a rerun asks for one the run did not have."""
+    target = loop.target
+    use = target.uses_scaler if grad_scaler is None else grad_scaler
+    if target.step_fn is not None:
+        return _KEEP   # the user's step drives its own GradScaler
+    if precision is not Precision.FP16 or not use or not target.optimizers:
+        return None
+    if loop.scaler is not None and scale is None:
+        return _KEEP
+    init = scale if scale is not None else (65536.0 if loop.scaler is None or loop.scaler._scale is None
+                                            else float(loop.scaler.get_scale()))
+    return torch.amp.GradScaler(loop.device_type, init_scale=init)
+
+
 def run_step(target, reached: Reached, precision: Precision, *, where: str, instrument: bool = True,
              probe: Probe | None = None, fp32_module: str | tuple[str, ...] | None = None,
              max_grad_norm: float | None = None,
              lr_scale: float | None = None, param_overrides: dict[str, Any] | None = None,
-             grad_scaler: bool | None = None, tolerate_errors: bool = False,
+             grad_scaler: bool | None = None, scale: float | None = None, tolerate_errors: bool = False,
              observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None) -> StepTrace:
     """Restore the state before the step, run it once, restore again. User objects end unchanged.
 
     ``observe(phase)`` is called at each phase boundary (after the tracker), e.g. to read the
-    gradients when the update phase begins.
+    gradients when the update phase begins. ``scale`` starts a GradScaler at that loss scale.
     """
-    device_type = device_of(target.model).type
-    use_scaler = target.grad_scaler if grad_scaler is None else grad_scaler
-    scaler = None
-    if precision is Precision.FP16 and use_scaler and target.optimizer is not None:
-        scaler = torch.amp.GradScaler(device_type)
+    loop = reached.loop
     snapshot = reached.snapshot
-    snapshot.restore(target, None)
-    if scaler is not None and snapshot.scaler:
-        scaler.load_state_dict(snapshot.scaler)
-    saved_groups = None
-    if param_overrides and target.optimizer is not None:
-        saved_groups = [dict(g) for g in target.optimizer.param_groups]
-        for g in target.optimizer.param_groups:
-            g.update(param_overrides)
-    batch = clone_batch(reached.batch)
-    tracker = OriginTracker(target.model, target.optimizer,
+    snapshot.restore(loop.objects)
+    sizes = [batch_size(item) for item in reached.recorded.items]
+    tracker = OriginTracker(loop.target.model, [o for _, o in loop.target.optimizers],
                             low_dtype=precision.dtype if precision.low else reached.precision.dtype
                             if reached.precision.low else torch.float16,
-                            batch_size=batch_size(batch), probe=probe,
+                            batch_size=sizes[0] if sizes else None, probe=probe,
                             source_of_node=source_of_node) if instrument else None
+
+    def on_micro(j: int) -> None:
+        if tracker is not None:
+            tracker.set_micro(j, sizes[j] if j < len(sizes) else None, len(sizes))
+
+    options = RunOptions(precision=precision, policy=reached.policy, on_phase=_phases(tracker, observe),
+                         on_micro=on_micro, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+                         param_overrides=param_overrides,
+                         scaler=_scaler_for(loop, reached, precision, grad_scaler, scale))
+    feed = reached.recorded.feed()
     try:
         with contextlib.ExitStack() as stack:
             if precision is Precision.FP64:  # the user's objects get their dtypes back when the stack exits
-                stack.enter_context(_float64(target, snapshot))
-                batch = map_tensors(batch, lambda t: t.double() if t.is_floating_point() else t)
+                stack.enter_context(_float64(loop, snapshot))
+                feed = _Float64Feed(feed)
             if source_of_node is not None:  # anomaly mode records each node's forward stack
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             if fp32_module:
-                stack.enter_context(_fp32_island(target.model, fp32_module))
+                stack.enter_context(_fp32_island(loop.target.model, fp32_module))
             if tracker is not None:
                 stack.enter_context(tracker)
-            outcome: StepOutcome = train_step(target, batch, precision, scaler, where=where,
-                                              set_phase=_phases(tracker, observe),
-                                              max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-                                              policy=reached.policy)
-        record, ratios, _ = measure(target, snapshot, outcome, reached.step)
+            outcome: StepOutcome = loop.run(feed, options)
+        record, ratios, _ = measure(loop, outcome, reached.step, before=snapshot.model,
+                                    position=reached.position)
+        note = None if outcome.precision_applied else (
+            f"{precision.value} could not be applied: your step_fn enters no torch.autocast, so nanprobe has "
+            "no autocast to rewrite")
         return StepTrace(precision=precision, record=record, trace=tracker.trace if tracker else None,
-                         update_ratios=ratios)
+                         update_ratios=ratios, note=note, applied=outcome.precision_applied, outcome=outcome)
     except UserCodeError as exc:  # e.g. an op without a kernel for this dtype on this device
         if not tolerate_errors:
             raise
         return StepTrace(precision=precision, record=None, trace=tracker.trace if tracker else None,
-                         error=exc.message)
+                         error=exc.message, exc=exc)
     finally:
-        if saved_groups is not None:
-            for g, saved in zip(target.optimizer.param_groups, saved_groups):
-                g.clear()
-                g.update(saved)
-        snapshot.restore(target, reached.scaler)
+        snapshot.restore(loop.objects)
 
 
+class _Float64Feed:
+    """The recorded micro-batches with floating tensors widened to float64."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.step = inner.step
+
+    @property
+    def on_micro(self):
+        return self.inner.on_micro
+
+    @on_micro.setter
+    def on_micro(self, fn):
+        self.inner.on_micro = fn
+
+    def get(self, j: int):
+        item = self.inner.get(j)
+        return None if item is None else map_tensors(item, lambda t: t.double() if t.is_floating_point() else t)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def count(self) -> int:
+        return self.inner.count()
+
+    @property
+    def position(self):
+        return self.inner.position
 
 
-def resolve_backward_source(target, reached: Reached, trace: StepTrace, *, where: str) -> bool:
+def resolve_backward_source(target, reached: Reached, trace: StepTrace, *, where: str) -> StepTrace | None:
     """Give a backward origin the forward source line of its autograd node.
 
     Costs one more rerun with anomaly mode (check_nan=False), which records every node's forward
-    stack; only the origin's node is read. Returns whether a rerun happened.
+    stack; only the origin's node is read. Returns that rerun (None when none was needed).
     """
     origin = trace.origin
     if origin is None or origin.phase is not Phase.BACKWARD or origin.node_seq is None or origin.source:
-        return False
-    again = run_step(target, reached, trace.precision, where=where, source_of_node=origin.node_seq)
+        return None
+    again = run_step(target, reached, trace.precision, where=where, source_of_node=origin.node_seq,
+                     tolerate_errors=True)
     if again.trace is not None and again.trace.node_source:
         origin.source, origin.code = again.trace.node_source
-    return True
+    return again

@@ -39,7 +39,7 @@ from .config import Config, ScanConfig, load_config
 from .entry import Loaded, load_target
 from .errors import EXIT_FOUND, EXIT_OK, UsageError, UserCodeError
 from .precision import Precision, describe_device, device_of, limits, parse_precision
-from .replay import batch_source
+from .feed import DataEnd, Stream
 from .report import SCHEMA, Status, _num
 from .target import Target
 
@@ -561,39 +561,61 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
         notes.append(f"batches is a callable: scanned batches(0) .. batches({limit - 1}) at most "
                      "(scan.callable_batches); pass --limit to change")
     total = _total(target.batches, limit)
-    get = batch_source(target)
+    if total is not None and target.epochs > 1 and not is_callable:
+        total = (total if limit is None else len(target.batches)) * target.epochs
+        total = total if limit is None else min(total, limit)
+    stream = Stream(target, record=False)
     scanner = Scanner(scfg, ignore_index=ignore_index, num_classes=num_classes, range_max=range_max)
     device = None
-    step = 0
+    scanned = 0
     at_limit = False
     while True:
-        if limit is not None and step >= limit:
+        if limit is not None and scanned >= limit:
             at_limit = True
             break
         try:
-            batch = get(step)
-        except UserCodeError as exc:
-            if isinstance(exc.exc, StopIteration) or (is_callable and isinstance(exc.exc, IndexError)):
-                if is_callable and isinstance(exc.exc, IndexError):
-                    notes.append(f"batches({step}) raised IndexError: taken as the end of the data")
+            feed = stream.open(stream.next_step)
+        except DataEnd:
+            break
+        k = feed.step
+        j = 0
+        while True:
+            if limit is not None and scanned >= limit:
+                at_limit = True
                 break
-            raise
-        if step == 0:
-            device = next((t.device for _, t in iter_tensors(batch)), None)
-            if num_classes is None and scfg.infer_num_classes and _has_labels(batch) \
-                    and _params(target.model) <= scfg.infer_max_params:
-                inferred = infer_num_classes(target, batch)
-                if inferred is not None:
-                    num_classes, source = inferred, "model output width"
-                    scanner.num_classes = inferred
-        scanner.add(step, batch)
-        if step == 0 and source == "model output width":
-            _check_inferred(scanner, notes)
-            if scanner.num_classes is None:
-                num_classes = source = None
-        step += 1
-        if on_progress is not None:
-            on_progress(step, total, scanner.total)
+            batch = feed.get(j)
+            if batch is None:
+                break
+            if scanned == 0:
+                device = next((t.device for _, t in iter_tensors(batch)), None)
+                if num_classes is None and scfg.infer_num_classes and _has_labels(batch) \
+                        and _params(target.model) <= scfg.infer_max_params:
+                    inferred = infer_num_classes(target, batch)
+                    if inferred is not None:
+                        num_classes, source = inferred, "model output width"
+                        scanner.num_classes = inferred
+            before = len(scanner.problems)
+            scanner.add(k, batch)
+            if target.accumulate > 1:
+                scanner.problems[before:] = [dataclasses.replace(p, micro=j) if p.step == k and p.micro is None
+                                             else p for p in scanner.problems[before:]]
+            if scanned == 0 and source == "model output width":
+                _check_inferred(scanner, notes)
+                if scanner.num_classes is None:
+                    num_classes = source = None
+            scanned += 1
+            j += 1
+            if on_progress is not None:
+                on_progress(scanned, total, scanner.total)
+        if at_limit:
+            break
+    step = scanned
+    if stream.end_note and is_callable:
+        notes.append(stream.end_note)
+    if target.epochs > 1 and not is_callable and _shuffles_from_global_rng(target.batches):
+        notes.append("epochs after the first are shuffled from the global RNG state that training leaves; "
+                     "scan-data does not train, so their batch order can differ from training (nanprobe run "
+                     "replays the exact order)")
     complete = not at_limit or (not is_callable and _exhausted(target, step))
     scanner.finish()
     if step == 0:
@@ -606,10 +628,20 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
                       range_max=range_max, notes=tuple(notes))
 
 
+def _shuffles_from_global_rng(batches: Any) -> bool:
+    """A DataLoader whose order (sampler seed) or worker seeds come from the global torch RNG."""
+    sampler = getattr(batches, "sampler", None)
+    bs = getattr(getattr(batches, "batch_sampler", None), "sampler", None)
+    for smp in (sampler, bs):
+        if smp is not None and type(smp).__name__ == "RandomSampler" and getattr(smp, "generator", None) is None:
+            return True
+    return False
+
+
 def _exhausted(target: Target, limit: int) -> bool:
-    """A sized iterable of exactly ``limit`` batches was read to its end."""
+    """A sized iterable of exactly ``limit`` batches (over all epochs) was read to its end."""
     try:
-        return len(target.batches) <= limit
+        return len(target.batches) * target.epochs <= limit
     except TypeError:
         return False
 

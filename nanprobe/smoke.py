@@ -1,16 +1,17 @@
-"""`nanprobe smoke`: the CI check. Train N steps from scratch under nanprobe.Guard; diagnose the first bad step.
+"""`nanprobe smoke`: the CI check. Train N steps from scratch; diagnose the first bad step.
 
-The loop is the canonical one (as in nanprobe.loop.train_step): zero_grad, autocast forward and
-loss, guarded backward, clip, guarded optimizer step, scheduler. The guard runs with policy
-``raise``: the first non-finite loss/gradient or spike stops training, its capsule is replayed
-and diagnosed exactly like ``nanprobe run --capsule``. JUnit XML for CI test reports.
+The steps are the target's own loop (nanprobe.step: the canonical loss_fn loop with epochs and
+accumulation, or the user's step_fn), judged with the guard's thresholds. The first non-finite
+loss, gradient or weight, or spike, stops training; its capsule is written (a CI artifact that
+``nanprobe run --capsule`` replays) and the step is diagnosed exactly like ``nanprobe run``.
+JUnit XML for CI test reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
+import shlex
 import socket
 import time
 import xml.etree.ElementTree as ET
@@ -20,16 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from . import capsule as _capsule
-from .config import Config, load_config
+from .config import Config, ReplayConfig, load_config
 from .diagnose import diagnose_target
 from .entry import Loaded, load_target
-from .errors import NanprobeError, UsageError, UserCodeError
-from .guard import Guard, GuardEvent, GuardTripped
-from .loop import make_scaler
-from .precision import Precision, autocast_context, describe_device, device_of, numeric_mode, parse_precision
-from .replay import batch_source
-from .report import Report, Status, StepRecord
-from .target import Target, call_user, check_loss, validate
+from .errors import UsageError
+from .precision import Precision, describe_device, device_of, parse_precision
+from .replay import NoBadStep, reach
+from .report import Report, Status
+from .target import Target, call_user, validate
 
 CHECKS = ("entry", "finite", "spike")
 
@@ -152,13 +151,23 @@ def _load(obj: Any) -> tuple[Loaded, Callable[[], Loaded] | None, str | None]:
 
 # -- the smoke run -------------------------------------------------------------------------------------------
 
+def _smoke_replay_config(cfg: Config) -> ReplayConfig:
+    """Smoke judges steps with the guard's thresholds (it stands for the guarded training run)."""
+    g = cfg.guard
+    return dataclasses.replace(cfg.replay, spike_window=g.window, min_history=g.min_history,
+                               loss_spike_factor=g.loss_spike_factor, grad_spike_factor=g.grad_spike_factor,
+                               max_scaler_skips=g.max_scaler_skips, history=g.history)
+
+
 def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = None, config: Config | None = None,
           capsule_dir: str | os.PathLike | None = None,
           on_progress: Callable[[str], None] | None = None) -> SmokeResult:
-    """Train ``steps`` steps from scratch under nanprobe.Guard; diagnose the first bad step.
+    """Train ``steps`` steps from scratch in the target's own loop (epochs, accumulation, step_fn), with
+    the guard's checks; diagnose the first bad step and save its capsule.
 
     ``entry`` is an ENTRY string, a nanprobe.Target, a dict, or a function returning one.
-    Exit code (``result.exit_code``): 0 healthy, 1 a bad step was found and diagnosed.
+    Exit code (``result.exit_code``): 0 healthy, 1 a bad step was found and diagnosed; data that ends
+    before ``steps`` steps is a usage error (exit 2): a CI check must not pass on fewer steps.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise UsageError(f"--steps {steps!r} is not a positive number of steps", "--steps", "Give N >= 1")
@@ -166,98 +175,48 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
     progress = on_progress or (lambda msg: None)
     started = time.perf_counter()
     progress("loading the entrypoint")
-    loaded, rebuild, entry_str = _load(entry)
+    loaded, _, entry_str = _load(entry)
     target = loaded.target
     try:
         prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
     except ValueError:
         raise UsageError(f"unknown precision {precision!r}", "--precision", "Use one of: fp32, bf16, fp16") from None
-    model, opt, where = target.model, target.optimizer, loaded.where
-    device = device_of(model)
-    scaler = make_scaler(target, prec, device.type)
-    guard_cfg = dataclasses.replace(cfg.guard, policy="raise", check_every=1,
-                                    capsule_dir=str(capsule_dir) if capsule_dir is not None else cfg.guard.capsule_dir)
-    guard = Guard(model, opt, scaler=scaler, scheduler=target.scheduler, precision=prec, entry=entry_str,
-                  config=guard_cfg)
-    get_batch = batch_source(target)
-    notes: list[str] = []
-    event: GuardEvent | None = None
-    steps_run = 0
-    log = logging.getLogger("nanprobe.guard")
-    was_disabled, log.disabled = log.disabled, True   # the smoke report replaces the guard's log line
+    device = device_of(target.model)
+    rcfg = _smoke_replay_config(cfg)
+    folder = str(capsule_dir) if capsule_dir is not None else cfg.guard.capsule_dir
     try:
-        for k in range(steps):
-            try:
-                batch = get_batch(k)
-            except UserCodeError as exc:
-                if not isinstance(exc.exc, StopIteration):
-                    raise
-                notes.append(f"the batches ran out after {k} steps (asked for {steps})")
-                break
-            progress(f"step {k + 1}/{steps}")
-            steps_run = k + 1
-            with guard.step(batch, step=k):
-                model.train()
-                if opt is not None:
-                    opt.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-                with numeric_mode(prec, device.type), autocast_context(prec, device.type):
-                    loss = call_user("loss_fn(model, batch)", target.loss_fn, model, batch)
-                loss = check_loss(loss, where)
-                call_user("loss.backward()", guard.backward, loss)
-            try:
-                applied = guard.optimizer_step(target.max_grad_norm)
-            except GuardTripped as trip:
-                event = trip.event
-                break
-            except NanprobeError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the user's optimizer raised
-                raise UserCodeError("optimizer.step()", exc) from exc
-            if applied and target.scheduler is not None:
-                call_user("scheduler.step()", target.scheduler.step)
-        if event is None and steps_run and not guard._weights_finite():
-            last = steps_run - 1
-            event = GuardEvent(step=last, status="nonfinite", action="raised", local=True, capsule=None, command=None,
-                               reason=f"the optimizer update of step {last} made the weights non-finite")
-    finally:
-        log.disabled = was_disabled
-    history = [_capsule._record(h) for h in guard._history]
-    skips = sum(1 for h in history if h.skipped and h.finite)
-    if skips:
-        notes.append(f"GradScaler skipped {skips} step(s) while lowering its scale (normal, not failures)")
-    if event is None:
+        reached = reach(target, at=None, precision=prec, cfg=rcfg, where=loaded.where, max_steps=steps,
+                        on_progress=lambda k: progress(f"step {k + 1}/{steps}"))
+    except NoBadStep as done:
+        if done.data_ended:
+            epochs = f" ({done.epochs} epoch(s))" if done.epochs else ""
+            raise UsageError(f"the data ended after {done.steps} steps{epochs}, before --steps {steps}", loaded.where,
+                             "Lower --steps, raise the target's 'epochs', or give more batches") from None
+        history = list(done.history)
+        skips = sum(1 for h in history if h.skipped and h.finite)
+        notes = (f"GradScaler skipped {skips} step(s) while lowering its scale (normal, not failures)",) if skips else ()
         report = Report(command="smoke", entry=loaded.entry, step=None, status=Status.FINITE,
                         device=describe_device(device), precision=prec.value,
-                        history=tuple(history[-cfg.replay.history:]), notes=tuple(notes),
-                        reached_by=f"trained {steps_run} steps from scratch under nanprobe.Guard")
-        return _result(loaded.entry, steps, steps_run, report, None, None, skips, started, ())
-    report = _diagnose(event, loaded, rebuild, cfg, prec, history, progress)
-    return _result(loaded.entry, steps, steps_run, report, event.capsule, event.command, skips, started,
-                   tuple(notes))
-
-
-def _diagnose(event: GuardEvent, loaded: Loaded, rebuild, cfg: Config, prec: Precision,
-              history: list[StepRecord], progress) -> Report:
-    if event.capsule is not None:
-        progress(f"diagnosing step {event.step} from its capsule")
-        reached = _capsule.reach_from_capsule(event.capsule, loaded, cfg, precision=prec)
-        reached.reached_by = f"nanprobe.Guard capsule {event.capsule}"
-        return diagnose_target(loaded, reached=reached, config=cfg, command="smoke", on_progress=progress)
-    # The weights were already non-finite: replay from scratch to the update that made them so.
-    if rebuild is not None:
-        progress(f"replaying from step 0 to step {event.step}")
-        report = diagnose_target(rebuild(), precision=prec, config=cfg, max_steps=event.step + 1, command="smoke",
-                                 on_progress=progress)
-        if report.status is not Status.FINITE:
-            return report
-        note = "a replay from step 0 did not reproduce it (nondeterminism?)"
-    else:
-        note = "pass ENTRY (or a function) instead of built objects to get a replayed diagnosis"
-    return Report(command="smoke", entry=loaded.entry, step=event.step, status=Status(event.status),
-                  device=describe_device(device_of(loaded.target.model)), precision=prec.value,
-                  history=tuple(history), notes=(event.reason, note), reached_by="nanprobe.Guard in smoke")
+                        history=tuple(history[-cfg.replay.history:]), notes=notes,
+                        reached_by=f"trained {done.steps} steps from scratch with the guard's checks")
+        return _result(loaded.entry, steps, done.steps, report, None, None, skips, started, ())
+    steps_run = reached.step + 1
+    skips = sum(1 for h in reached.history if h.skipped and h.finite)
+    notes: list[str] = []
+    if skips:
+        notes.append(f"GradScaler skipped {skips} step(s) while lowering its scale (normal, not failures)")
+    path = command = None
+    try:
+        path = _capsule.write(_capsule.build_from_reached(reached, entry=entry_str), folder)
+        shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+        command = f"nanprobe run {shlex.quote(entry_str) if entry_str else 'ENTRY'} --capsule {shlex.quote(shown)}"
+    except OSError as exc:
+        notes.append(f"capsule not written: {exc.strerror or exc}")
+    reached.reached_by = f"trained from scratch with the guard's checks; step {reached.step} failed"
+    progress(f"diagnosing step {reached.step}")
+    report = diagnose_target(loaded, reached=reached, config=cfg, command="smoke", on_progress=progress)
+    return _result(loaded.entry, steps, steps_run, report, None if path is None else str(path), command, skips,
+                   started, tuple(notes))
 
 
 def _result(entry: str, steps: int, steps_run: int, report: Report, capsule: str | None, command: str | None,

@@ -1,9 +1,13 @@
-"""The Target an entrypoint returns, and dict -> Target validation."""
+"""The Target an entrypoint returns, and dict -> Target validation.
+
+Validation never touches the user's iterators or RNG: calling ``iter()`` on a DataLoader draws
+its base seed from the global RNG, which would shift every later batch and dropout mask.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,22 +20,28 @@ from .precision import Precision, parse_precision
 
 @dataclass(kw_only=True)
 class Target:
-    """What nanprobe needs to reproduce one training step of the user's loop.
+    """What nanprobe needs to reproduce the user's training steps.
 
-    ``loss_fn(model, batch)`` runs the forward pass and returns a scalar loss, exactly as in
-    the training loop. Step ``k`` uses the ``k``-th batch of a fresh iterator over ``batches``
-    (or ``batches(k)`` when it is callable).
+    Either ``loss_fn(model, batch)`` (the forward pass and the loss; nanprobe runs the canonical
+    loop around it: zero_grad, autocast, backward per micro-batch, unscale, clip, step, schedule)
+    or ``step_fn(model, batch, step)`` (the user's whole step). Step ``k`` consumes the next
+    ``accumulate`` items of ``batches`` (an epoch never shares a step with the next one), over
+    ``epochs`` fresh passes; a callable ``batches(i)`` gives item ``i``.
     """
 
     model: torch.nn.Module
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     batches: Iterable[Any] | Callable[[int], Any]
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: Any = None
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    step_fn: Callable[[torch.nn.Module, Any, int], Any] | None = None
+    optimizer: Any = None                 # an Optimizer, or a list/dict of them
+    scheduler: Any = None                 # an LR scheduler, or a list/dict of them
     max_grad_norm: float | None = None
     precision: Precision | str = Precision.FP32
-    grad_scaler: bool = False
+    grad_scaler: Any = False              # bool (nanprobe makes one), or GradScaler(s) the step uses
     load_state: Callable[[int], int] | None = None
+    epochs: int = 1
+    accumulate: int = 1
+    scheduler_on_skip: bool = True
     num_classes: int | None = None
     ignore_index: int = -100
 
@@ -39,18 +49,69 @@ class Target:
         self.precision = parse_precision(self.precision) if not isinstance(self.precision, Precision) \
             else self.precision
 
+    # -- the user's objects as named lists (one object, a list or a dict) --------------------------
+    @property
+    def optimizers(self) -> list[tuple[str, torch.optim.Optimizer]]:
+        return named(self.optimizer, "optimizer")
+
+    @property
+    def schedulers(self) -> list[tuple[str, Any]]:
+        return named(self.scheduler, "scheduler")
+
+    @property
+    def user_scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
+        """GradScaler objects the target hands over (``grad_scaler: True`` makes nanprobe's own)."""
+        if isinstance(self.grad_scaler, bool) or self.grad_scaler is None:
+            return []
+        return named(self.grad_scaler, "grad_scaler")
+
+    @property
+    def uses_scaler(self) -> bool:
+        return bool(self.grad_scaler) if isinstance(self.grad_scaler, bool) else bool(self.user_scalers)
+
+    @property
+    def first_optimizer(self) -> torch.optim.Optimizer | None:
+        opts = self.optimizers
+        return opts[0][1] if opts else None
+
+    @property
+    def form(self) -> str:
+        return "step_fn" if self.step_fn is not None else "loss_fn"
+
+
+def named(obj: Any, base: str) -> list[tuple[str, Any]]:
+    """One object, a list/tuple or a dict -> ``[(display name, object)]``."""
+    if obj is None or obj is False:
+        return []
+    if isinstance(obj, Mapping):
+        return [(f"{base}[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"{base}[{i}]", v) for i, v in enumerate(obj)]
+    return [(base, obj)]
+
 
 KEYS = tuple(f.name for f in dataclasses.fields(Target))
-REQUIRED = ("model", "loss_fn", "batches")
+REQUIRED = ("model", "batches")
 _HINTS = {
     "model": 'a torch.nn.Module, e.g. "model": model',
-    "loss_fn": 'a (model, batch) -> scalar loss, e.g. "loss_fn": lambda m, b: F.cross_entropy(m(b[0]), b[1])',
-    "batches": 'a list/iterable of batches or a callable step -> batch',
+    "loss_fn": 'a (model, batch) -> scalar loss, e.g. "loss_fn": lambda m, b: F.cross_entropy(m(b[0]), b[1]); '
+               'or "step_fn": your whole step (model, batch, step) -> loss',
+    "batches": 'a list/iterable of batches (a DataLoader) or a callable i -> batch',
 }
 
 
+def _positive_int(values: dict, key: str, where: str, default: int = 1) -> int:
+    v = values.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise TargetError(f"'{key}' is {v!r}", where, "Use a positive integer, or leave it out")
+    return v
+
+
 def validate(obj: Any, where: str) -> Target:
-    """Turn what the entrypoint returned into a checked Target; one clear error otherwise."""
+    """Turn what the entrypoint returned into a checked Target; one clear error otherwise.
+
+    Nothing here iterates ``batches`` or draws from an RNG.
+    """
     if isinstance(obj, Target):
         values = {k: getattr(obj, k) for k in KEYS}
     elif isinstance(obj, dict):
@@ -70,36 +131,49 @@ def validate(obj: Any, where: str) -> Target:
     model = values["model"]
     if not isinstance(model, torch.nn.Module):
         raise TargetError(f"'model' is {type(model).__name__}, not a torch.nn.Module", where,
-                          "Return the nn.Module being trained")
-    if not callable(values["loss_fn"]):
-        raise TargetError(f"'loss_fn' is {type(values['loss_fn']).__name__}, not callable", where,
-                          "Pass a function (model, batch) -> scalar loss")
+                          "Return the nn.Module being trained (several networks: one nn.ModuleDict)")
+    loss_fn, step_fn = values.get("loss_fn"), values.get("step_fn")
+    if loss_fn is None and step_fn is None:
+        raise TargetError(f"{where} returned no 'loss_fn'", where, f'Add "loss_fn": {_HINTS["loss_fn"]}')
+    if loss_fn is not None and step_fn is not None:
+        raise TargetError(f"{where} returned both 'loss_fn' and 'step_fn'", where,
+                          "Keep one: loss_fn for the standard loop, step_fn for your own whole step")
+    for key, fn, shape in (("loss_fn", loss_fn, "(model, batch) -> scalar loss"),
+                           ("step_fn", step_fn, "(model, batch, step) -> loss or dict of losses")):
+        if fn is not None and not callable(fn):
+            raise TargetError(f"'{key}' is {type(fn).__name__}, not callable", where, f"Pass a function {shape}")
     batches = values["batches"]
     if not callable(batches) and not isinstance(batches, Iterable):
         raise TargetError(f"'batches' is {type(batches).__name__}, neither iterable nor callable", where,
-                          "Pass a list, a DataLoader, a generator function, or a callable step -> batch")
-    if isinstance(batches, Iterable) and not callable(batches) and iter(batches) is batches:
-        raise TargetError("'batches' is a one-shot iterator", where,
-                          "Pass something nanprobe can iterate afresh: a list, a DataLoader, or a callable step -> batch")
-    opt = values.get("optimizer")
-    if opt is not None:
+                          "Pass a list, a DataLoader, or a callable i -> batch")
+    if isinstance(batches, Iterator) and not callable(batches):
+        raise TargetError(f"'batches' is a one-shot iterator ({type(batches).__name__})", where,
+                          "Pass something nanprobe can iterate afresh: a list, a DataLoader, or a callable i -> batch")
+
+    opts = named(values.get("optimizer"), "optimizer")
+    params = {id(p) for p in model.parameters()}
+    for name, opt in opts:
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TargetError(f"'optimizer' is {type(opt).__name__}, not a torch.optim.Optimizer", where,
-                              "Pass the optimizer over the model's parameters, or leave it out")
-        params = {id(p) for p in model.parameters()}
+            raise TargetError(f"'{name}' is {type(opt).__name__}, not a torch.optim.Optimizer", where,
+                              "Pass the optimizer(s) over the model's parameters, or leave it out")
         foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in params)
         if foreign:
-            raise TargetError(f"'optimizer' holds {foreign} tensor(s) that are not parameters of 'model'", where,
-                              "Build the optimizer from model.parameters() of the same model object")
-    sched = values.get("scheduler")
-    if sched is not None and not callable(getattr(sched, "step", None)):
-        raise TargetError(f"'scheduler' is {type(sched).__name__} with no step()", where,
-                          "Pass a torch.optim.lr_scheduler object, or leave it out")
-    if sched is not None and opt is None:
+            raise TargetError(f"'{name}' holds {foreign} tensor(s) that are not parameters of 'model'", where,
+                              "Build the optimizer from parameters of the returned model (several networks: "
+                              "put them in one nn.ModuleDict and return that)")
+    scheds = named(values.get("scheduler"), "scheduler")
+    for name, sched in scheds:
+        if not callable(getattr(sched, "step", None)):
+            raise TargetError(f"'{name}' is {type(sched).__name__} with no step()", where,
+                              "Pass a torch.optim.lr_scheduler object, or leave it out")
+    if scheds and not opts:
         raise TargetError("'scheduler' given without 'optimizer'", where, "Add the optimizer the scheduler drives")
     mgn = values.get("max_grad_norm")
     if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, (int, float)) or mgn <= 0):
         raise TargetError(f"'max_grad_norm' is {mgn!r}", where, "Use a positive number, or leave it out")
+    if mgn is not None and step_fn is not None:
+        raise TargetError("'max_grad_norm' is set with 'step_fn'", where,
+                          "Your step_fn does its own clipping; drop max_grad_norm")
     try:
         precision = parse_precision(values.get("precision"))
     except ValueError:
@@ -109,20 +183,37 @@ def validate(obj: Any, where: str) -> Target:
         raise TargetError(f"'precision' {precision.value!r} is not a training precision", where,
                           'Use "fp32", "bf16" or "fp16"')
     scaler = values.get("grad_scaler", False)
-    if not isinstance(scaler, bool):
-        raise TargetError(f"'grad_scaler' is {scaler!r}, not true/false", where, "Use True or False")
-    if scaler and precision is not Precision.FP16:
-        raise TargetError(f"'grad_scaler' is set but 'precision' is {precision.value}", where,
-                          'GradScaler belongs to fp16 training: set "precision": "fp16" or drop grad_scaler')
-    if scaler and opt is None:
-        raise TargetError("'grad_scaler' needs an 'optimizer'", where, "Add the optimizer")
+    if scaler is None:
+        scaler = False
+    if isinstance(scaler, bool):
+        if scaler and precision is not Precision.FP16:
+            raise TargetError(f"'grad_scaler' is set but 'precision' is {precision.value}", where,
+                              'GradScaler belongs to fp16 training: set "precision": "fp16" or drop grad_scaler')
+        if scaler and not opts:
+            raise TargetError("'grad_scaler' needs an 'optimizer'", where, "Add the optimizer")
+        if scaler and step_fn is not None:
+            raise TargetError("'grad_scaler' is True with 'step_fn'", where,
+                              'Your step_fn uses its own GradScaler: pass it, "grad_scaler": scaler')
+    else:
+        for name, s in named(scaler, "grad_scaler"):
+            if not isinstance(s, torch.amp.GradScaler):
+                raise TargetError(f"'{name}' is {type(s).__name__}, not a torch.amp.GradScaler or bool", where,
+                                  "Pass True/False, or the GradScaler object(s) your step uses")
     ls = values.get("load_state")
     if ls is not None and not callable(ls):
         raise TargetError("'load_state' is not callable", where, "Pass a function step -> restored_step")
+    values["epochs"] = _positive_int(values, "epochs", where)
+    values["accumulate"] = _positive_int(values, "accumulate", where)
+    if not isinstance(values.get("scheduler_on_skip", True), bool):
+        raise TargetError(f"'scheduler_on_skip' is {values['scheduler_on_skip']!r}", where, "Use True or False")
     nc = values.get("num_classes")
     if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc <= 0):
         raise TargetError(f"'num_classes' is {nc!r}", where, "Use a positive integer, or leave it out")
+    ii = values.get("ignore_index", -100)
+    if isinstance(ii, bool) or not isinstance(ii, int):
+        raise TargetError(f"'ignore_index' is {ii!r}", where, "Use an integer label value, e.g. -100")
     values["precision"] = precision
+    values["grad_scaler"] = scaler
     values.setdefault("ignore_index", -100)
     return Target(**values)
 
@@ -156,7 +247,10 @@ def call_user(during: str, fn: Callable, *args):
 
 
 class _MovedBatches:
-    """Re-iterable view of the user's batches with every tensor moved to ``device``."""
+    """Re-iterable view of the user's batches with every tensor moved to ``device``.
+
+    Everything else (``len``, ``sampler``, ``batch_sampler`` for ``set_epoch``) is the wrapped loader's.
+    """
 
     def __init__(self, batches: Iterable[Any], device: torch.device):
         self.batches, self.device = batches, device
@@ -164,6 +258,14 @@ class _MovedBatches:
     def __iter__(self):
         for batch in self.batches:
             yield map_tensors(batch, lambda t: t.to(self.device))
+
+    def __len__(self) -> int:
+        return len(self.batches)  # TypeError for unsized iterables, as for the loader itself
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("batches", "device"):
+            raise AttributeError(name)
+        return getattr(self.batches, name)
 
 
 def to_device(target: Target, device: str | torch.device) -> Target:
@@ -175,9 +277,9 @@ def to_device(target: Target, device: str | torch.device) -> Target:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("CUDA is not available on this machine", "--device", "Use --device cpu, or run on a GPU host")
     target.model.to(dev)
-    opt = target.optimizer
-    if opt is not None and opt.state:
-        opt.load_state_dict(opt.state_dict())  # casts the state onto the parameters' device
+    for _, opt in target.optimizers:
+        if opt.state:
+            opt.load_state_dict(opt.state_dict())  # casts the state onto the parameters' device
     batches = target.batches
     if callable(batches) and not isinstance(batches, Iterable):
         target.batches = lambda step: map_tensors(batches(step), lambda t: t.to(dev))

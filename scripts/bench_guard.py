@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from nanprobe.entry import load_target  # noqa: E402
 from nanprobe.guard import Guard  # noqa: E402
-from nanprobe.loop import make_scaler  # noqa: E402
+from nanprobe.step import make_scaler  # noqa: E402
 from nanprobe.precision import autocast_context, device_of, parse_precision  # noqa: E402
 
 DEFAULT_ENTRY = ROOT / "examples" / "healthy_transformer.py"

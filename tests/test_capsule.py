@@ -158,7 +158,7 @@ def test_dataclass_batch_found_in_the_entrypoint_module(tmp_path):
     guarded_run(tmp_path, entry)
     (capsule,) = list_capsules(tmp_path)
     data = torch.load(capsule, weights_only=True)
-    data["batch"]["type"] = "__main__:Batch"
+    data["micro_batches"][0]["type"] = "__main__:Batch"
     torch.save(data, capsule)
     from nanprobe.capsule import reach_from_capsule
     loaded = load_target(entry)
@@ -168,12 +168,12 @@ def test_dataclass_batch_found_in_the_entrypoint_module(tmp_path):
 
 
 def test_rng_states_round_trip_as_lists():
-    state = C.capture_rng("cpu")
+    from nanprobe.state import capture_rng, set_rng
+    state = capture_rng("cpu")
     safe = C.rng_to_safe(state)
     assert isinstance(safe["python"][1], list) and isinstance(safe["numpy"][1], list)
     expected = (torch.rand(3), random.random(), np.random.rand())
-    from nanprobe.loop import _set_rng_state
-    _set_rng_state(C.rng_from_safe(safe, "cpu"))
+    set_rng(C.rng_from_safe(safe, "cpu"))
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
 
@@ -207,7 +207,7 @@ def test_stale_capsule_for_at_is_skipped_with_a_note(tmp_path, monkeypatch):
 
 
 def test_write_never_replaces_an_existing_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(C, "capsule_name", lambda step, rank, attempt=0:
+    monkeypatch.setattr(C.io, "capsule_name", lambda step, rank, attempt=0:
                         f"step{step:07d}-rank{rank}-fixed{'-' + str(attempt) if attempt else ''}{C.SUFFIX}")
     taken = tmp_path / f"step0000003-rank0-fixed{C.SUFFIX}"
     taken.write_bytes(b"the user's own file")

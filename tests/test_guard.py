@@ -91,8 +91,8 @@ def test_capsule_holds_the_state_before_the_step(tmp_path):
     data = torch.load(guard.capsules[0], weights_only=True)   # loads without trusting the file
     assert data["step"] == BAD and data["precision"] == "fp32" and data["status"] == "nonfinite"
     assert _equal(dict(data["model"]), before[BAD][0])
-    assert data["optimizer"]["state"].keys() == before[BAD][1]["state"].keys()
-    assert _equal(data["optimizer"]["state"], before[BAD][1]["state"])
+    assert data["optimizers"][0]["state"].keys() == before[BAD][1]["state"].keys()
+    assert _equal(data["optimizers"][0]["state"], before[BAD][1]["state"])
     assert [h["step"] for h in data["history"]] == [0, 1, 2, 3]
     assert data["fingerprint"][0] == ["fc1.weight", [16, 4]]
     cap = read(guard.capsules[0])
@@ -207,7 +207,7 @@ def test_fp16_nan_loss_with_scaler_keeps_the_scale(tmp_path):
     assert [e.step for e in guard.events] == [3]
     assert scales[3] == scales[2]              # the guard's skip leaves the GradScaler alone
     cap = torch.load(guard.capsules[0], weights_only=True)
-    assert cap["grad_scaler"] is True and cap["scaler"]["scale"] == scales[2] and cap["max_grad_norm"] == 1.0
+    assert cap["grad_scaler"] is True and cap["scalers"][0]["scale"] == scales[2] and cap["max_grad_norm"] == 1.0
 
 
 def test_too_many_scaler_skips_are_a_failure(tmp_path):
@@ -323,7 +323,7 @@ def test_capsule_rng_is_the_state_at_step_start(tmp_path, uses_host_rng):
             opt.zero_grad(set_to_none=True)
             guard.backward(loss_fn(model, batch))
         guard.optimizer_step()
-    assert guard._host_rng_used is (True if uses_host_rng else None)
+    assert guard._rngs.host_used is uses_host_rng
     rng = torch.load(guard.capsules[0], weights_only=True)["rng"]
     torch_state, py_state, np_keys = starts[6]
     assert torch.equal(rng["torch"], torch_state)

@@ -63,7 +63,7 @@ def test_state_before_step_is_bitwise_the_users():
     user_rng = torch.get_rng_state()
     t = make()
     reached = reach(t, at=5, precision=Precision.FP32, cfg=CFG, where="t")
-    reached.snapshot.restore(t, None)
+    reached.restore()
     for (k, a), (_, b) in zip(ref.model.state_dict().items(), t.model.state_dict().items()):
         assert torch.equal(a, b), k
     assert t.scheduler.get_last_lr() == ref.scheduler.get_last_lr()
@@ -114,7 +114,7 @@ def test_load_state_must_return_a_step_at_or_before():
         reach(t, at=2, precision=Precision.FP32, cfg=CFG, where="t")
 
 
-def test_first_bad_step_and_earlier_failure_note():
+def test_first_bad_step_and_at_always_diagnoses_the_step_asked_for():
     t = make()
     t.batches[4]["x"][0, 0] = float("nan")
     reached = reach(t, at=None, precision=Precision.FP32, cfg=CFG, where="t")
@@ -122,7 +122,8 @@ def test_first_bad_step_and_earlier_failure_note():
     t = make()
     t.batches[4]["x"][0, 0] = float("nan")
     reached = reach(t, at=6, precision=Precision.FP32, cfg=CFG, where="t")
-    assert reached.step == 4 and any("already failed before --at 6" in n for n in reached.notes)
+    assert reached.step == 6 and [r.step for r in reached.earlier] == [4, 5]
+    assert any("step 4 was already bad" in n and "--at 4" in n for n in reached.notes)
 
 
 def test_healthy_replay_raises_no_bad_step():
@@ -169,9 +170,9 @@ def test_python_random_is_restored():
     t = make()
     reached = reach(t, at=2, precision=Precision.FP32, cfg=CFG, where="t")
     random.random()
-    reached.snapshot.restore(t, None)
+    reached.restore()
     state = random.getstate()
-    reached.snapshot.restore(t, None)
+    reached.restore()
     assert random.getstate() == state
     assert not math.isnan(reached.record.loss)
 

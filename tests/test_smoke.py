@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import asset, example
-from nanprobe import smoke
+from nanprobe import diagnose, smoke
 from nanprobe.cli import app
 from nanprobe.testing import assert_trains_finite
 
@@ -83,14 +83,18 @@ def test_smoke_spike_fails_the_spike_check(tmp_path):
     assert case.find("failure").get("message").startswith("step 14: loss/gradient spike")
 
 
-def test_smoke_update_that_corrupts_weights_is_diagnosed_by_replay(tmp_path):
-    """Finite gradients, non-finite weights after the update: the guard can't capsule the pre-update
-    state, so smoke replays from step 0 and names the update."""
-    result = smoke(example("adam_eps_zero.py") + ":target", steps=6, capsule_dir=tmp_path)
+def test_smoke_update_that_corrupts_weights_is_diagnosed_and_capsuled(tmp_path):
+    """Finite gradients, non-finite weights after the update: smoke rebuilds the state before the
+    update from its rolling snapshot, names the update, and its capsule replays that step."""
+    entry = example("adam_eps_zero.py") + ":target"
+    result = smoke(entry, steps=6, capsule_dir=tmp_path)
     assert result.exit_code == 1
     top = result.report.top
     assert (result.report.step, top.phase.value, top.module) == (0, "update", "embed")
-    assert result.report.reached_by == "replay from step 0" and result.capsule is None
+    assert result.capsule is not None and result.report.fidelity.reproduced is True
+    again = diagnose(entry, capsule=result.capsule)
+    assert (again.step, again.top.cause, again.top.phase, again.top.module) == \
+        (0, top.cause, top.phase, top.module)
 
 
 def test_smoke_fp16_grad_scaler_target_is_healthy(tmp_path):

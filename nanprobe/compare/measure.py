@@ -274,20 +274,6 @@ class _Measured:
         return cls(order=order, modules=modules, totals=totals)
 
 
-class _LossTap:
-    """Wraps loss_fn to keep the loss at full precision (the step's record rounds it to float32)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.loss: torch.Tensor | None = None
-
-    def __call__(self, model, batch):
-        loss = self.fn(model, batch)
-        if isinstance(loss, torch.Tensor):
-            self.loss = loss.detach()
-        return loss
-
-
 def _floats(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 

@@ -14,13 +14,12 @@ from ..diagnose import origin_of
 from ..entry import Loaded, load_target
 from ..errors import UsageError
 from ..instrument import Event, Probe
-from ..loop import Snapshot
 from ..precision import Precision, describe_device, device_of
 from ..replay import NoBadStep, Reached, reach
 from ..report import Phase
 from ..rerun import run_step
-from .measure import (ROOT, _bits, _Capture, _dtype_max, _input_underflow, _LossTap, _Measured, _OpProbe, _OriginProbe,
-                      _pct, _pow2, _Run, _Store)
+from .measure import (ROOT, _bits, _Capture, _dtype_max, _input_underflow, _Measured, _OpProbe, _OriginProbe, _pct,
+                      _pow2, _Run, _Store)
 from .records import (_PREFERENCE, _RUNS, CHOICES, Comparison, LayerRow, LayerStat, PrecisionRun, Ranked, ScalerResult,
                       parse_precisions)
 
@@ -30,34 +29,32 @@ class _Comparer:
         self.loaded, self.target, self.reached, self.cfg, self.progress = loaded, loaded.target, reached, cfg, progress
         self.device = device_of(self.target.model)
         self.store = _Store(budget=int(cfg.max_reference_mb * 2 ** 20))
-        base = reached.snapshot.scaler or torch.amp.GradScaler(self.device.type).state_dict()
-        self.scaler_state = dict(base)
+        scaler = reached.loop.scaler
+        reached.restore()
+        self.base_scale = float(scaler.get_scale()) if scaler is not None and scaler._scale is not None else 65536.0
+        self.backoff = float(scaler._backoff_factor) if scaler is not None else 0.5
 
-    def _with_scale(self, scale: float) -> Reached:
-        state = dict(self.scaler_state, scale=scale, _growth_tracker=0)
-        return dataclasses.replace(self.reached, scaler=None,
-                                   snapshot=dataclasses.replace(self.reached.snapshot, scaler=state))
+    def _step(self, name: str, *, scale: float | None = None, **kwargs):
+        prec, scaler = _RUNS[name]
+        return run_step(self.target, self.reached, prec, where=self.loaded.where, grad_scaler=scaler,
+                        scale=scale if scaler else None, **kwargs)
 
     def run(self, name: str, *, reference: bool, tolerate: bool, scale: float | None = None) -> _Run:
         prec, scaler = _RUNS[name]
-        scale = (float(self.scaler_state["scale"]) if scale is None else scale) if scaler else 1.0
-        reached = self._with_scale(scale) if scaler else self.reached
-        tap = _LossTap(self.target.loss_fn)
-        target = dataclasses.replace(self.target, loss_fn=tap)
+        scale = (self.base_scale if scale is None else scale) if scaler else 1.0
         cap = _Capture(self.target.model, self.store, reference=reference, low=prec.dtype, scale=scale,
                        device_type=self.device.type)
         self.progress(f"rerunning step {self.reached.step} in {name}" + (" (reference)" if reference else ""))
         with cap:
-            trace = run_step(target, reached, prec, where=self.loaded.where, instrument=False, grad_scaler=scaler,
-                             tolerate_errors=tolerate, observe=cap.observe)
+            trace = self._step(name, scale=scale, instrument=False, tolerate_errors=tolerate, observe=cap.observe)
         if trace.error:
             return _Run(name=name, trace=trace, measured=None, loss=None, scale=scale)
         measured = cap.finish()
-        loss = float(tap.loss.double().item()) if tap.loss is not None else None
+        out = trace.outcome
+        loss = float(out.loss.double().item()) if out is not None and out.loss is not None else None
         if not trace.finite or measured.nonfinite:  # only then is the origin tracker's cost worth paying
             self.progress(f"step {self.reached.step} is non-finite in {name}: rerunning it instrumented")
-            traced = run_step(self.target, reached, prec, where=self.loaded.where, instrument=True,
-                              grad_scaler=scaler, tolerate_errors=True)
+            traced = self._step(name, scale=scale, instrument=True, tolerate_errors=True)
             if not traced.error:
                 trace = traced
         return _Run(name=name, trace=trace, measured=measured, loss=loss, scale=scale)
@@ -70,17 +67,15 @@ class _Comparer:
         if rec is None or not rec.skipped:
             return ScalerResult(scale=start, skipped=False, scale_after=rec.scale if rec else None,
                                 settled_scale=start, halvings=0), None
-        result = dict(scale=start, skipped=True, scale_after=rec.scale,
+        result = dict(scale=start, skipped=True, scale_after=start * self.backoff,
                       overflow=origin_of(run.trace.origin, "fp16+scaler"))
         if run.loss is None or not math.isfinite(run.loss):  # the forward overflows: no scale helps
             return ScalerResult(**result, settled_scale=None, halvings=0), None
-        backoff = float(self.scaler_state.get("backoff_factor", 0.5))
         scale = start
         for halving in range(1, self.cfg.max_scale_halvings + 1):
-            scale *= backoff
+            scale *= self.backoff
             self.progress(f"GradScaler skips step {self.reached.step}: trying loss scale {scale:g}")
-            t = run_step(self.target, self._with_scale(scale), Precision.FP16, where=self.loaded.where,
-                         instrument=False, grad_scaler=True, tolerate_errors=True)  # the skip flag is enough
+            t = self._step("fp16+scaler", scale=scale, instrument=False, tolerate_errors=True)  # the skip flag is enough
             if t.record is not None and not t.record.skipped:
                 settled = self.run("fp16+scaler", reference=False, tolerate=True, scale=scale)
                 return ScalerResult(**result, settled_scale=scale, halvings=halving), settled
@@ -97,20 +92,18 @@ class _Comparer:
                      probe=probe, tolerate_errors=True)
             return _OriginProbe(would_reach=probe.out_absmax * run.scale, zeros=None, underflow=None) \
                 if probe.found and probe.out_absmax is not None else None
-        ref = self._op_inputs(ref_name, self.reached, event)
+        ref = self._op_inputs(ref_name, None, event)
         if ref.inputs is None:
             return None
-        here = self._op_inputs(name, self._with_scale(run.scale) if _RUNS[name][1] else self.reached, event)
+        here = self._op_inputs(name, run.scale if _RUNS[name][1] else None, event)
         if here.inputs is None:
             return _OriginProbe(would_reach=ref.out_absmax, zeros=None, underflow=None)
         return _input_underflow(here, ref)
 
-    def _op_inputs(self, name: str, reached: Reached, event: Event) -> _OpProbe:
-        prec, scaler = _RUNS[name]
+    def _op_inputs(self, name: str, scale: float | None, event: Event) -> _OpProbe:
         probe = _OpProbe(self.target.model, event.module, event.op, event.occurrence)
         with probe:
-            run_step(self.target, reached, prec, where=self.loaded.where, instrument=False, grad_scaler=scaler,
-                     tolerate_errors=True, observe=probe.observe)
+            self._step(name, scale=scale, instrument=False, tolerate_errors=True, observe=probe.observe)
         return probe
 
 
@@ -122,19 +115,15 @@ def _reach(loaded: Loaded, at: int | None, cfg: Config, progress: Callable[[str]
     progress("replaying")
     if at is not None:
         return reach(target, at=at, **kwargs), []
-    start = Snapshot.take(target, None)
     try:
-        reached = reach(target, at=None, **kwargs)
+        reached = reach(target, at=None, keep_last=True, **kwargs)
         return reached, [f"no --at: comparing step {reached.step}, the first bad step in {target.precision.value} "
                          f"({reached.reason})"]
     except NoBadStep as done:
-        if done.steps == 0:
+        if done.steps == 0 or done.last is None:
             raise UsageError("batches yielded no batch", loaded.where, "Give the target at least one batch") from None
-        start.restore(target, None)
-        last = done.steps - 1
-        reached = reach(target, at=last, **kwargs)
-        return reached, [f"no --at and no bad step in {done.steps} replayed steps: comparing the last one "
-                         f"({last}); pick another with --at"]
+        return done.last, [f"no --at and no bad step in {done.steps} replayed steps: comparing the last one "
+                           f"({done.last.step}); pick another with --at"]
 
 
 # -- the library call ------------------------------------------------------------------------------------
@@ -190,8 +179,11 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
         if name == "tf32" and device.type != "cuda":
             skipped[name] = f"tf32 is a CUDA tensor-core mode; skipped on {device.type}"
             continue
-        if name == "fp16+scaler" and target.optimizer is None:
+        if name == "fp16+scaler" and not target.optimizers:
             skipped[name] = "GradScaler needs an optimizer; the target has none"
+            continue
+        if name == "fp16+scaler" and target.step_fn is not None:
+            skipped[name] = "your step_fn drives its own GradScaler (or none): the fp16 run executes it as written"
             continue
         runs[name] = cmp.run(name, reference=False, tolerate=True)
 

@@ -1,0 +1,19 @@
+"""Capsules: one training step, saved so that `nanprobe run --capsule FILE` replays it exactly.
+
+A capsule is a ``torch.save`` file holding only what ``torch.load(weights_only=True)`` accepts
+(tensors, dicts, lists, tuples, Python numbers and strings), so a capsule from a colleague can
+never run code. It holds the model, every optimizer, scheduler and GradScaler state *before* the
+step, every micro-batch of the step (nested containers encoded as tagged dicts and rebuilt on
+load) with the RNG states at the step's start and after each micro-batch was fetched, the state
+the step carries between calls, the step number and its place in the data, the precision, the
+recent loss / grad-norm / LR history, versions, and a model fingerprint (parameter names and
+shapes) that tells a capsule from another model apart.
+"""
+
+from .codec import decode_batch, encode_batch, fingerprint, rng_from_safe, rng_to_safe, safe_value, unwrap
+from .io import FORMAT, SUFFIX, Capsule, build, list_capsules, read, record_dict, to_record, write
+from .restore import build_from_reached, capsule_reach, check_model, reach_for_step, reach_from_capsule
+
+__all__ = ["Capsule", "build", "write", "read", "check_model", "reach_from_capsule", "reach_for_step", "capsule_reach",
+           "list_capsules", "fingerprint", "encode_batch", "decode_batch", "rng_to_safe", "rng_from_safe",
+           "safe_value", "unwrap", "record_dict", "to_record", "build_from_reached", "FORMAT", "SUFFIX"]

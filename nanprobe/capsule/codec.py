@@ -1,0 +1,252 @@
+"""The weights_only-safe encoding of what a capsule holds: model fingerprint, plain values,
+nested batches and RNG states.
+
+``torch.load(weights_only=True)`` accepts tensors, dicts, lists, tuples, Python numbers and
+strings only: no numpy objects, no ``torch.Generator``, no namedtuples or dataclasses. Batches
+are encoded as tagged dicts and rebuilt on load (their classes are looked up among modules
+already imported, never imported); RNG states become tensors and lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CapsuleError
+
+_TAG = "__nanprobe__"
+
+
+# -- the model fingerprint ------------------------------------------------------------------------
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DistributedDataParallel / DataParallel wrappers (their state has no prefix)."""
+    inner = getattr(model, "module", None)
+    if isinstance(inner, torch.nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+        return inner
+    return model
+
+
+def fingerprint(model: torch.nn.Module) -> list[list[Any]]:
+    """Parameter names and shapes: what must match for a capsule to belong to a model."""
+    return [[name, list(p.shape)] for name, p in unwrap(model).named_parameters()]
+
+
+def fingerprint_difference(saved: list, model: torch.nn.Module) -> str | None:
+    mine = {name: shape for name, shape in fingerprint(model)}
+    theirs = {str(item[0]): list(item[1]) for item in saved}
+    missing = [n for n in theirs if n not in mine]
+    extra = [n for n in mine if n not in theirs]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"capsule has {len(missing)} parameter(s) the model lacks, e.g. {missing[0]!r}")
+        if extra:
+            parts.append(f"model has {len(extra)} parameter(s) the capsule lacks, e.g. {extra[0]!r}")
+        return "; ".join(parts)
+    for name, shape in theirs.items():
+        if mine[name] != shape:
+            return f"parameter {name!r} is {tuple(mine[name])} in the model but {tuple(shape)} in the capsule"
+    return None
+
+
+# -- weights_only-safe values ------------------------------------------------------------------------
+
+_PLAIN = (bool, int, float, str, bytes, type(None), complex)
+
+
+def safe_value(obj: Any, dropped: list[str], path: str = "") -> Any:
+    """``obj`` with only types torch.load(weights_only=True) accepts; what cannot be kept is listed."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, enum.Enum):
+        return safe_value(obj.value, dropped, path)
+    if isinstance(obj, _PLAIN):
+        return obj
+    if isinstance(obj, (torch.Size, torch.dtype, torch.device)):
+        return obj
+    np = sys.modules.get("numpy")
+    if np is not None:
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            return torch.from_numpy(obj.copy()) if obj.dtype != object else obj.tolist()
+    if isinstance(obj, Mapping):
+        out = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                dropped.append(f"{path}[{k!r}]")
+                continue
+            out[k] = safe_value(v, dropped, f"{path}[{k!r}]")
+        return out
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(safe_value(v, dropped, f"{path}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [safe_value(v, dropped, f"{path}[{i}]") for i, v in enumerate(obj)]
+    dropped.append(f"{path} ({type(obj).__name__})")
+    return None
+
+
+# -- batches: nested containers -> tagged dicts, and back ----------------------------------------------
+
+def encode_batch(batch: Any) -> Any:
+    """A weights_only-safe form of a batch: every container becomes a tagged dict."""
+    if isinstance(batch, torch.Tensor):
+        return {_TAG: "tensor", "data": batch.detach(), "device": str(batch.device)}
+    if isinstance(batch, _PLAIN):
+        return batch
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(batch, np.generic):
+        return batch.item()
+    if np is not None and isinstance(batch, np.ndarray) and batch.dtype != object:
+        return {_TAG: "ndarray", "data": torch.from_numpy(batch.copy())}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {_TAG: "dataclass", "type": _type_name(type(batch)),
+                "fields": {f.name: encode_batch(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+                           if f.init}}
+    if isinstance(batch, Mapping):
+        return {_TAG: "dict" if type(batch) is dict else "mapping", "type": _type_name(type(batch)),
+                "items": [[_key(k), encode_batch(v)] for k, v in batch.items()]}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return {_TAG: "namedtuple", "type": _type_name(type(batch)), "fields": list(batch._fields),
+                "items": [encode_batch(v) for v in batch]}
+    if isinstance(batch, (list, tuple)):
+        return {_TAG: "list" if isinstance(batch, list) else "tuple", "items": [encode_batch(v) for v in batch]}
+    return {_TAG: "opaque", "type": _type_name(type(batch)), "repr": repr(batch)[:200]}
+
+
+def _key(k: Any) -> Any:
+    return k if isinstance(k, (str, int, float, bool, type(None))) else repr(k)
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def _find_type(name: str, check) -> type | None:
+    """A class named in a capsule, looked up among modules already imported (never imports anything).
+
+    The run that wrote the capsule may have defined it in ``__main__`` while the entrypoint is
+    imported under another name, so loaded entrypoint modules are searched by qualname too.
+    """
+    module_name, _, qualname = name.partition(":")
+    candidates = [sys.modules.get(module_name)]
+    candidates += [m for n, m in list(sys.modules.items())
+                   if n.startswith("nanprobe_entry_") or n == "__main__"]
+    for module in candidates:
+        obj: Any = module
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None) if obj is not None else None
+        if isinstance(obj, type) and check(obj):
+            return obj
+    return None
+
+
+def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any:
+    """Rebuild a batch from :func:`encode_batch`; tensors go back to their device where it exists."""
+    if not isinstance(enc, dict) or _TAG not in enc:
+        return enc
+    kind = enc[_TAG]
+    if kind == "tensor":
+        return _to_device(enc["data"], str(enc.get("device", "cpu")), device, notes)
+    if kind == "ndarray":
+        return enc["data"].numpy()
+    if kind in ("list", "tuple"):
+        items = [decode_batch(v, device, notes) for v in enc["items"]]
+        return items if kind == "list" else tuple(items)
+    if kind in ("dict", "mapping"):
+        items = [(k, decode_batch(v, device, notes)) for k, v in enc["items"]]
+        if kind == "mapping":
+            t = _find_type(enc.get("type", ""), lambda c: issubclass(c, Mapping))
+            if t is not None:
+                try:
+                    return t(items)
+                except Exception:  # noqa: BLE001 - fall back to a plain dict
+                    pass
+            notes.append(f"batch mapping type {enc.get('type')} rebuilt as a dict")
+        return dict(items)
+    if kind == "namedtuple":
+        items = [decode_batch(v, device, notes) for v in enc["items"]]
+        t = _find_type(enc.get("type", ""), lambda c: issubclass(c, tuple) and hasattr(c, "_fields")
+                       and list(c._fields) == list(enc["fields"]))
+        if t is not None:
+            return t(*items)
+        notes.append(f"batch namedtuple {enc.get('type')} is not importable here; rebuilt as a tuple")
+        return tuple(items)
+    if kind == "dataclass":
+        values = {k: decode_batch(v, device, notes) for k, v in enc["fields"].items()}
+        t = _find_type(enc.get("type", ""), lambda c: dataclasses.is_dataclass(c)
+                       and {f.name for f in dataclasses.fields(c) if f.init} == set(values))
+        if t is not None:
+            return t(**values)
+        notes.append(f"batch dataclass {enc.get('type')} is not importable here; rebuilt as a dict")
+        return values
+    if kind == "opaque":
+        notes.append(f"batch held a {enc.get('type')} that a capsule cannot store; it is None in the replay")
+        return None
+    raise CapsuleError(f"unknown batch element {kind!r}", None, "The capsule is damaged or from a newer nanprobe")
+
+
+def _to_device(t: torch.Tensor, saved: str, fallback: torch.device | None, notes: list[str]) -> torch.Tensor:
+    if saved.startswith("cuda"):
+        if torch.cuda.is_available():
+            try:
+                return t.to(saved)
+            except (RuntimeError, AssertionError):
+                return t.to("cuda")
+        if "cuda batch" not in " ".join(notes):
+            notes.append("the capsule's cuda batch is replayed on cpu")
+        return t
+    return t
+
+
+# -- RNG states ------------------------------------------------------------------------------------
+
+def rng_to_safe(state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`nanprobe.state.capture_rng` -> lists and tensors (streams not captured stay absent)."""
+    out: dict[str, Any] = {"torch": state["torch"].clone()}
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        out["python"] = [int(version), list(internal), gauss]
+    if "cuda" in state:
+        cuda = state["cuda"]
+        out["cuda"] = [t.clone() for t in cuda] if isinstance(cuda, (list, tuple)) else [cuda.clone()]
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        out["numpy"] = [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return out
+
+
+def rng_from_safe(safe: Any, device_type: str) -> dict[str, Any]:
+    """Capsule RNG -> the format of :func:`nanprobe.state.capture_rng`; CapsuleError when damaged."""
+    try:
+        state: dict[str, Any] = {"torch": safe["torch"].to(torch.uint8).cpu()}
+        if "python" in safe:
+            p = safe["python"]
+            state["python"] = (int(p[0]), tuple(int(v) for v in p[1]), p[2])
+        if device_type == "cuda" and "cuda" in safe and torch.cuda.is_available():
+            saved = safe["cuda"]
+            saved = list(saved) if isinstance(saved, (list, tuple)) else [saved]
+            states = torch.cuda.get_rng_state_all()
+            for i, t in enumerate(saved[:len(states)]):
+                states[i] = t.to(torch.uint8).cpu()
+            state["cuda"] = states
+        np = sys.modules.get("numpy")
+        if np is not None and "numpy" in safe:
+            name, keys, pos, has_gauss, cached = safe["numpy"]
+            state["numpy"] = (str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError):
+        raise CapsuleError("capsule field 'rng' is damaged", None, "Use another capsule") from None
+    if state["torch"].numel() == 0:
+        raise CapsuleError("capsule field 'rng' is damaged", None, "Use another capsule")
+    return state
+
+
+__all__ = ["unwrap", "fingerprint", "fingerprint_difference", "safe_value", "encode_batch", "decode_batch",
+           "rng_to_safe", "rng_from_safe"]

@@ -1,0 +1,251 @@
+"""Capsule files: build the dict, write it atomically under a unique name, read and check it.
+
+Format 2 holds every micro-batch of the step and the RNG state after each fetch (gradient
+accumulation), every optimizer, scheduler and GradScaler (several optimizers, a ``step_fn``), the
+step's position in the data, and the state the step carries between calls (module attributes,
+closure variables). Format 1 capsules (one batch, one optimizer) still load.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import random
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..errors import CapsuleError
+from ..precision import Precision, device_of, parse_precision
+from ..report import Status, StepRecord
+from .codec import encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
+
+FORMAT = 2
+MAGIC = "nanprobe_capsule"
+SUFFIX = ".capsule.pt"
+NAME = re.compile(r"^step(\d+)-rank(\d+)-.*" + re.escape(SUFFIX) + r"$")
+_REQUIRED = ("step", "precision", "model", "fingerprint", "rng", "history")
+
+
+def record_dict(r: StepRecord | dict) -> dict[str, Any]:
+    if isinstance(r, StepRecord):
+        return {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+                "update_ratio": r.update_ratio, "finite": r.finite, "skipped": r.skipped, "scale": r.scale,
+                "epoch": r.epoch, "index": r.index, "losses": dict(r.losses)}
+    return dict(r)
+
+
+def to_record(d: dict[str, Any]) -> StepRecord:
+    def num(key):
+        v = d.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    def integer(key):
+        v = d.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+    losses = d.get("losses") if isinstance(d.get("losses"), Mapping) else {}
+    return StepRecord(step=int(d.get("step", -1)), loss=num("loss"), grad_norm=num("grad_norm"), lr=num("lr"),
+                      update_ratio=num("update_ratio"), finite=bool(d.get("finite", True)),
+                      skipped=bool(d.get("skipped", False)), scale=num("scale"), epoch=integer("epoch"),
+                      index=integer("index"),
+                      losses={str(k): float(v) for k, v in losses.items() if isinstance(v, (int, float))})
+
+
+def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any],
+          scalers: list[torch.amp.GradScaler], micro_batches: list[Any] | None, rng: dict[str, Any],
+          micro_rng: list[dict[str, Any]] | None, step: int, precision: Precision | str, status: str,
+          reason: str | None, record: dict[str, Any], history: list[dict[str, Any]], entry: str | None = None,
+          rank: int = 0, world_size: int = 1, local: bool = True, max_grad_norm: float | None = None,
+          threads: int | None = None, position: dict[str, Any] | None = None,
+          carried: dict[str, Any] | None = None, grad_scaler: bool = False, form: str = "loss_fn") -> dict[str, Any]:
+    """Everything to replay one step, as a dict that torch.load(weights_only=True) accepts."""
+    dropped: list[str] = []
+    module = unwrap(model)
+    device = device_of(module)
+    scheds = []
+    for i, s in enumerate(schedulers):
+        state = s.state_dict() if callable(getattr(s, "state_dict", None)) else None
+        scheds.append(None if state is None else safe_value(state, dropped, f"scheduler[{i}]"))
+    items = list(micro_batches) if micro_batches is not None else []
+    data = {
+        MAGIC: FORMAT,
+        "versions": {"nanprobe": str(__version__), "torch": str(torch.__version__),
+                     "python": str(platform.python_version()),
+                     "cuda": None if torch.version.cuda is None else str(torch.version.cuda)},
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "entry": entry,
+        "step": int(step),
+        "precision": parse_precision(precision).value,
+        "status": str(status),
+        "reason": reason,
+        "local": bool(local),
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "device": str(device),
+        "threads": int(threads if threads is not None else torch.get_num_threads()),
+        "form": form,
+        "grad_scaler": bool(grad_scaler),
+        "max_grad_norm": None if max_grad_norm is None else float(max_grad_norm),
+        "fingerprint": fingerprint(module),
+        "model": OrderedDict((k, v.detach()) for k, v in module.state_dict().items()),
+        "optimizers": [safe_value(o.state_dict(), dropped, f"optimizer[{i}]") for i, o in enumerate(optimizers)],
+        "schedulers": scheds,
+        "scalers": [safe_value(s.state_dict(), dropped, f"scaler[{i}]") for i, s in enumerate(scalers)],
+        "micro_batches": [encode_batch(b) for b in items],
+        "batch_missing": micro_batches is None,
+        "rng": rng_to_safe(rng),
+        "micro_rng": [rng_to_safe(r) for r in (micro_rng or [])],
+        "position": safe_value(position, dropped, "position"),
+        "carried": safe_value(carried or {}, dropped, "carried"),
+        "record": safe_value(record, dropped, "record"),
+        "history": safe_value(list(history), dropped, "history"),
+    }
+    data["dropped"] = dropped
+    return data
+
+
+def capsule_name(step: int, rank: int, attempt: int = 0) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    extra = f"-{attempt}" if attempt else ""
+    return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{extra}{SUFFIX}"
+
+
+def write(data: dict[str, Any], folder: str | os.PathLike) -> Path:
+    """Save a capsule under a new, unique name in ``folder``; never replaces an existing file.
+
+    The file appears complete or not at all (written to a temporary name, then hard-linked).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tmp-{os.getpid()}-{random.SystemRandom().getrandbits(48):012x}{SUFFIX}"
+    with open(tmp, "xb") as fh:
+        torch.save(data, fh)
+    try:
+        for attempt in range(1000):
+            final = folder / capsule_name(int(data["step"]), int(data.get("rank", 0)), attempt)
+            try:
+                os.link(tmp, final)
+                return final
+            except FileExistsError:
+                continue
+            except OSError:  # no hard links here (some network/FUSE file systems)
+                if final.exists():
+                    continue
+                os.rename(tmp, final)
+                return final
+        raise OSError(f"no free capsule name in {folder}")
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capsule:
+    """A capsule read back and checked; ``data`` is the raw dict (format 1 upgraded to format 2 keys)."""
+
+    path: str
+    step: int
+    precision: Precision
+    status: Status
+    reason: str | None
+    rank: int
+    world_size: int
+    local: bool
+    entry: str | None
+    device: str
+    created: str | None
+    versions: dict[str, Any]
+    format: int
+    data: dict[str, Any] = field(repr=False)
+
+
+def _upgrade(data: dict[str, Any]) -> None:
+    """Format 1 -> format 2 keys, in place."""
+    if "optimizers" not in data:
+        data["optimizers"] = [data["optimizer"]] if data.get("optimizer") is not None else []
+    if "schedulers" not in data:
+        data["schedulers"] = [data["scheduler"]] if data.get("scheduler") is not None else []
+    if "scalers" not in data:
+        data["scalers"] = [data["scaler"]] if data.get("scaler") else []
+    if "micro_batches" not in data:
+        data["micro_batches"] = [] if data.get("batch_missing") else [data.get("batch")]
+    data.setdefault("micro_rng", [])
+    data.setdefault("carried", {})
+    data.setdefault("position", None)
+    data.setdefault("form", "loss_fn")
+
+
+def read(path: str | os.PathLike) -> Capsule:
+    """Load a capsule with torch.load(weights_only=True) and check its layout; CapsuleError otherwise."""
+    p = Path(path)
+    where = str(path)
+    if not p.is_file():
+        raise CapsuleError(f"capsule {where} not found", where, "Give the path the guard printed")
+    try:
+        data = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every way a file can fail to load
+        text = str(exc)
+        if "Weights only load failed" in text or "Unsupported global" in text or "unsupported" in text.lower() \
+                and "global" in text.lower():
+            m = re.search(r"GLOBAL ([\w.]+)", text)
+            what = ("file holds Python objects or code that a capsule never contains; refused to load it"
+                    + (f" (it names {m.group(1)})" if m else ""))
+        elif "zip" in text.lower() or "central directory" in text or isinstance(exc, EOFError):
+            what = "file is truncated or not a torch.save file"
+        else:
+            what = f"file is not a readable capsule ({type(exc).__name__}: {text.splitlines()[0][:120] if text else ''})"
+        raise CapsuleError(what, where, "Use a capsule written by nanprobe.Guard (it may have been cut off "
+                                        "while copying)") from None
+    if not isinstance(data, dict) or MAGIC not in data:
+        raise CapsuleError("file is a torch.save file but not a nanprobe capsule", where,
+                           "Give a file written by nanprobe.Guard (e.g. nanprobe-capsules/step...capsule.pt)")
+    version = data.get(MAGIC)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT:
+        raise CapsuleError(f"capsule format {version!r} is newer than this nanprobe understands ({FORMAT})", where,
+                           "Upgrade nanprobe")
+    missing = [k for k in _REQUIRED if k not in data]
+    if version == 1 and "batch" not in data:
+        missing.append("batch")
+    if missing:
+        raise CapsuleError(f"capsule lacks {', '.join(missing)}", where, "The capsule is damaged; use another one")
+    _upgrade(data)
+    try:
+        precision = parse_precision(data["precision"])
+        status = Status(data.get("status", "nonfinite"))
+        step = int(data["step"])
+        if not isinstance(data["model"], Mapping) or not isinstance(data["fingerprint"], list):
+            raise TypeError("model state")
+        for key in ("optimizers", "schedulers", "scalers", "micro_batches", "micro_rng", "history"):
+            if not isinstance(data[key], list):
+                raise TypeError(key)
+    except (ValueError, TypeError) as exc:
+        raise CapsuleError(f"capsule fields are damaged ({exc})", where, "Use another capsule") from None
+    return Capsule(path=where, step=step, precision=precision, status=status, reason=data.get("reason"),
+                   rank=int(data.get("rank", 0)), world_size=int(data.get("world_size", 1)),
+                   local=bool(data.get("local", True)), entry=data.get("entry"), device=str(data.get("device", "cpu")),
+                   created=data.get("created"), versions=dict(data.get("versions") or {}), format=version,
+                   data=data)
+
+
+def list_capsules(folder: str | os.PathLike, step: int | None = None) -> list[Path]:
+    """Capsule files in ``folder`` (for ``step`` if given), by name; nothing is opened."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in folder.iterdir():
+        m = NAME.match(p.name)
+        if m and (step is None or int(m.group(1)) == step):
+            out.append(p)
+    return sorted(out)
+
+
+__all__ = ["Capsule", "build", "write", "read", "list_capsules", "record_dict", "to_record", "FORMAT", "SUFFIX",
+           "NAME"]

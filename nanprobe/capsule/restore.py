@@ -1,0 +1,213 @@
+"""A capsule -> the exact state before its step, in the objects a fresh entrypoint built.
+
+The result is a :class:`nanprobe.replay.Reached`, so ``diagnose_target(loaded, reached=...)``
+diagnoses exactly the captured step. The loop's settings (precision, GradScaler, clipping) come
+from the capsule: what the guarded run really did; differences become notes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..errors import CapsuleError, UsageError
+from ..precision import Precision, device_of, parse_precision
+from ..report import Status
+from .codec import decode_batch, fingerprint_difference, rng_from_safe
+from .io import Capsule, list_capsules, read, to_record
+
+
+def check_model(capsule: Capsule, model: torch.nn.Module) -> None:
+    diff = fingerprint_difference(capsule.data["fingerprint"], model)
+    if diff:
+        raise CapsuleError(f"capsule is from another model: {diff}", capsule.path,
+                           "Pass the ENTRY that builds the model the guarded run trained")
+
+
+def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
+    data = cap.data
+    model = target.model
+    try:
+        with torch.no_grad():
+            model.load_state_dict(data["model"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise CapsuleError(f"model state does not load: {str(exc).splitlines()[0][:160]}", cap.path,
+                           "Pass the ENTRY that builds the model the guarded run trained") from None
+    saved, live = data["optimizers"], target.optimizers
+    if saved and not live:
+        notes.append("the capsule holds optimizer state but the entrypoint returns no optimizer; "
+                     "the update phase is not replayed")
+    elif live and not saved:
+        notes.append("the guarded run had no optimizer; the entrypoint's fresh optimizer state is used")
+    elif len(saved) != len(live):
+        raise CapsuleError(f"capsule holds {len(saved)} optimizer state(s), the entrypoint returns {len(live)} "
+                           "optimizer(s)", cap.path, "Return the optimizers of the guarded run, in the same order")
+    else:
+        for (name, opt), state in zip(live, saved):
+            try:
+                opt.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as exc:
+                raise CapsuleError(f"state of {name} does not match the entrypoint's: "
+                                   f"{str(exc).splitlines()[0][:160]}", cap.path,
+                                   "Return the same optimizer type and parameter groups as the guarded run") from None
+    for (name, sched), state in zip(target.schedulers, data["schedulers"]):
+        if state is None:
+            continue
+        try:
+            sched.load_state_dict(state)
+        except Exception as exc:  # noqa: BLE001 - a scheduler of another kind
+            notes.append(f"{name} state not restored ({type(exc).__name__}); the LR comes from the optimizer state")
+    scalers = loop.objects.scalers()
+    for (name, scaler), state in zip(scalers, data["scalers"]):
+        if isinstance(state, Mapping) and state:
+            try:
+                scaler.load_state_dict(dict(state))
+            except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+                raise CapsuleError(f"capsule field 'scalers' is damaged ({type(exc).__name__})", cap.path,
+                                   "Use another capsule") from None
+    if len(data["scalers"]) != len(scalers) and data["scalers"]:
+        notes.append(f"the capsule holds {len(data['scalers'])} GradScaler state(s), the loop has {len(scalers)}")
+
+
+def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
+                       precision: str | Precision | None = None, found_for: int | None = None,
+                       policy: str | None = None):
+    """Restore the capsule into the entrypoint's freshly built objects; the state before its step."""
+    from ..feed import Position, Recorded, Stream
+    from ..replay import Reached, scheduler_info
+    from ..state import apply_carried
+    from ..step import Loop
+
+    cap = path if isinstance(path, Capsule) else read(path)
+    target = loaded.target
+    model = target.model
+    check_model(cap, model)
+    data = cap.data
+    notes: list[str] = []
+    device = device_of(model)
+    prec = parse_precision(precision) if precision is not None else cap.precision
+    if prec is not cap.precision:
+        notes.append(f"the guarded run trained in {cap.precision.value}; replayed in {prec.value} as asked")
+    if target.step_fn is None:
+        want_scaler = bool(data.get("grad_scaler")) and prec is Precision.FP16 and bool(target.optimizers)
+        if want_scaler != target.uses_scaler and not target.user_scalers:
+            notes.append(f"GradScaler {'on' if want_scaler else 'off'} as in the guarded run "
+                         f"(the entrypoint says grad_scaler={target.grad_scaler})")
+            target.grad_scaler = want_scaler
+        mgn = data.get("max_grad_norm")
+        if mgn != target.max_grad_norm:
+            notes.append(f"gradient clipping {mgn if mgn else 'off'} as in the guarded run "
+                         f"(the entrypoint says max_grad_norm={target.max_grad_norm})")
+            target.max_grad_norm = mgn
+    elif data.get("form") != "step_fn":
+        notes.append("the capsule was written by a loop without step_fn; replayed with this entrypoint's step_fn")
+    target.precision = prec
+    loop = Loop(target, loaded.where, prec, policy or "native")
+    _load_states(cap, target, loop, notes)
+    carried = data.get("carried")
+    if isinstance(carried, Mapping) and carried:
+        apply_carried(dict(carried), loop.objects, notes)
+    rng = rng_from_safe(data["rng"], device.type)
+    micro_rng = [rng_from_safe(r, device.type) for r in data["micro_rng"]]
+    snapshot = loop.objects.take(rng=rng)
+    saved_threads = data.get("threads")
+    if isinstance(saved_threads, int) and device.type == "cpu" and cap.device.startswith("cpu") \
+            and 0 < saved_threads <= (os.cpu_count() or 1):
+        snapshot.threads = saved_threads
+    if cap.device.split(":")[0] != device.type:
+        notes.append(f"the capsule was written on {cap.device}; replayed on {device.type}")
+    if policy in (None, "native") and cap.device.startswith("cuda") and device.type == "cpu" and prec.autocast:
+        policy = "cuda"
+        notes.append("CUDA's autocast policy is emulated on CPU, as in the run that wrote the capsule")
+    pos = data.get("position") if isinstance(data.get("position"), Mapping) else None
+    position = Position(step=cap.step, epoch=pos.get("epoch"), index=int(pos.get("index") or 0),
+                        items=tuple(pos.get("items") or ())) if pos else None
+    if data.get("batch_missing") or not data["micro_batches"]:
+        stream = Stream(target)
+        stream.skip(cap.step)
+        recorded = Recorded.of(stream.open(cap.step))
+        recorded.rng_after = []
+        notes.append(f"the guard saw no batch (optimizer_step without guard.step(batch)); "
+                     f"using the entrypoint's batch for step {cap.step}")
+        snapshot.restore(loop.objects)   # fetching may have drawn from the RNG: back to the capsule's state
+    else:
+        items = [decode_batch(e, device, notes) for e in data["micro_batches"]]
+        recorded = Recorded(step=cap.step, items=items, rng_after=micro_rng, position=position)
+    if data.get("dropped"):
+        notes.append(f"not stored in the capsule: {', '.join(map(str, data['dropped'][:3]))}")
+    record = to_record(dict(data.get("record") or {}, step=cap.step))
+    history = [to_record(h) for h in data["history"] if isinstance(h, Mapping)]
+    how = f"capsule {cap.path}" + (f" (found for --at {found_for})" if found_for is not None else "")
+    if cap.world_size > 1:
+        how += f" (rank {cap.rank} of {cap.world_size})"
+    status = cap.status if cap.status in (Status.NONFINITE, Status.SPIKE) else Status.NONFINITE
+    return Reached(step=cap.step, recorded=recorded, snapshot=snapshot, loop=loop, precision=prec, status=status,
+                   reason=cap.reason, record=record if record.loss is not None or record.grad_norm is not None
+                   else None, history=history, update_ratios={}, reached_by=how, notes=notes,
+                   policy=policy or "native", **scheduler_info(target))
+
+
+def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None = None,
+                   policy: str | None = None):
+    """For ``--at N``: the Reached state of a usable capsule for step N in cfg.guard.capsule_dir, or None.
+
+    Returns ``(reached_or_None, notes)``; capsules that cannot be used are skipped with a note.
+    """
+    notes: list[str] = []
+    candidates = []
+    for p in list_capsules(cfg.guard.capsule_dir, step):
+        try:
+            cap = read(p)
+            check_model(cap, loaded.target.model)
+        except CapsuleError as err:
+            notes.append(f"capsule {p} for step {step} not used: {err.what}")
+            continue
+        candidates.append(cap)
+    if not candidates:
+        return None, notes
+    # the rank that saw the problem first, then rank 0, then the newest
+    candidates.sort(key=lambda c: (not c.local, c.rank, -(Path(c.path).stat().st_mtime)))
+    reached = reach_from_capsule(candidates[0], loaded, cfg, precision=precision, found_for=step, policy=policy)
+    reached.notes[:0] = notes
+    return reached, []
+
+
+def capsule_reach(loaded, cfg, *, capsule: str | os.PathLike | None, at: int | None,
+                  precision: str | Precision | None = None, policy: str | None = None):
+    """`nanprobe run`'s first stop: ``--capsule FILE``, or a capsule for ``--at N`` in guard.capsule_dir.
+
+    Returns ``(reached_or_None, notes)``: None means "replay as usual" (notes say why a capsule
+    found for the step was not used).
+    """
+    if capsule is not None:
+        reached = reach_from_capsule(capsule, loaded, cfg, precision=precision, policy=policy)
+        if at is not None and at != reached.step:
+            raise UsageError(f"the capsule holds step {reached.step}, not --at {at}", str(capsule),
+                             "Drop --at (the capsule fixes the step) or give the capsule of that step")
+        return reached, []
+    if at is not None:
+        return reach_for_step(at, loaded, cfg, precision=precision, policy=policy)
+    return None, []
+
+
+def build_from_reached(reached, *, entry: str | None = None) -> dict:
+    """The capsule of a reached step (smoke's CI artifact): the objects must be in the state before it."""
+    from .io import build, record_dict
+
+    loop = reached.loop
+    target = loop.target
+    snap = reached.snapshot
+    pos = reached.position
+    return build(model=target.model, optimizers=[o for _, o in target.optimizers],
+                 schedulers=[s for _, s in target.schedulers], scalers=[s for _, s in loop.objects.scalers()],
+                 micro_batches=list(reached.recorded.items), rng=snap.rng, micro_rng=list(reached.recorded.rng_after),
+                 step=reached.step, precision=reached.precision, status=reached.status.value, reason=reached.reason,
+                 record=record_dict(reached.record) if reached.record else {},
+                 history=[record_dict(h) for h in reached.history], entry=entry,
+                 max_grad_norm=target.max_grad_norm, threads=snap.threads,
+                 position=None if pos is None else {"epoch": pos.epoch, "index": pos.index, "items": list(pos.items)},
+                 carried=snap.carried(), grad_scaler=loop.scaler is not None and target.step_fn is None,
+                 form=target.form)
