@@ -32,15 +32,16 @@ def warmup_cosine(step: int) -> float:
 
 
 def target(config: dict | None = None):
-    """``config`` (optional) scales the model for benchmarks: d_model, n_layers, n_heads, seq_len, batch_size."""
+    """``config`` (optional) scales the model for benchmarks: d_model, n_layers, n_heads, seq_len, batch_size,
+    vocab_size, and ``steps`` (batches; 20 by default)."""
     cfg = dict(config or {})
-    seq_len, batch_size = cfg.pop("seq_len", 32), cfg.pop("batch_size", 8)
+    seq_len, batch_size, steps = cfg.pop("seq_len", 32), cfg.pop("batch_size", 8), cfg.pop("steps", STEPS)
     torch.manual_seed(0)
     model = TinyTransformer(TransformerConfig(max_len=max(32, seq_len), **cfg))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
     return {"model": model, "loss_fn": lm_loss,
-            "batches": copy_task_batches(STEPS, batch_size=batch_size, seq_len=seq_len, vocab_size=64, seed=0),
+            "batches": copy_task_batches(steps, batch_size=batch_size, seq_len=seq_len, vocab_size=64, seed=0),
             "optimizer": optimizer, "scheduler": scheduler, "max_grad_norm": 1.0, "precision": "bf16"}
 
 

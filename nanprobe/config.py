@@ -25,7 +25,10 @@ class ReplayConfig:
     max_scaler_skips: int = 8
     history: int = 16
     snapshot_every: int = 50
-    ratio_steps: int = 4
+    ratio_steps: int = 1
+    snapshot_store: str = "auto"
+    snapshot_memory_mb: float = 32.0
+    snapshot_dir: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +97,7 @@ _SIGNED = {"ignore_index"}
 _CHOICES = {
     ("run", "reference"): ("fp32", "fp64"),
     ("guard", "policy"): ("skip", "raise", "record"),
+    ("replay", "snapshot_store"): ("auto", "device", "host", "disk"),
 }
 
 

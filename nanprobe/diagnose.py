@@ -19,7 +19,7 @@ from .fixes import attach
 from .instrument import Event, Probe
 from .precision import Precision, describe_device, device_of, limits, parse_precision
 from .replay import NoBadStep, Reached, reach
-from .report import Cause, Origin, PrecisionResult, Report, Status
+from .report import Cause, Origin, Phase, PrecisionResult, Report, Status
 from .rerun import StepTrace, resolve_backward_source, run_step
 from .target import Target
 
@@ -54,6 +54,19 @@ def _result(t: StepTrace) -> PrecisionResult:
     finite = t.finite and not (t.trace and t.trace.events)
     return PrecisionResult(precision=t.precision.value, loss=rec.loss, finite=finite,
                            origin=origin_of(t.origin, t.precision.value), grad_norm=rec.grad_norm)
+
+
+_FWD_BWD = frozenset({Phase.FORWARD, Phase.BACKWARD})
+
+
+def _update_suspect(reached: Reached) -> bool:
+    """The replayed step's weights went non-finite with a finite loss and gradient norm."""
+    r = reached.record
+    if r is None or r.finite:
+        return False
+    loss_ok = r.loss is None or math.isfinite(r.loss)
+    norm_ok = r.grad_norm is None or math.isfinite(r.grad_norm)
+    return loss_ok and norm_ok
 
 
 def _healthy(loaded: Loaded, done: NoBadStep, prec: Precision, device: torch.device, cfg: Config, command: str,
@@ -139,10 +152,28 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     prec = reached.precision
     raised = reached.error is not None
     progress(f"rerunning step {reached.step} instrumented ({prec.value})")
-    main = run_step(target, reached, prec, where=where, tolerate_errors=True)
+    # the update phase is checked op by op only where the update may have made the weights non-finite:
+    # it is most of a step's ops (an optimizer runs several per parameter)
+    phases = _FWD_BWD | ({Phase.UPDATE} if _update_suspect(reached) else set())
+    # reruns of a loss_fn loop end before the optimizer update unless the update is in question
+    # (it made the weights non-finite, or the step is a spike): then nothing but the forward pass's
+    # state needs restoring between reruns
+    update = target.step_fn is not None or reached.record is None or _update_suspect(reached) \
+        or reached.status is Status.SPIKE
+    main = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False, phases=phases,
+                    update=update)
     if main.exc is not None and not raised:
         raise main.exc   # the rerun raised where the replay did not: report the user's error as it is
     comparable: list[tuple[str, StepTrace]] = [(f"instrumented {prec.value}", main)]
+    if Phase.UPDATE not in phases and main.record is not None and not main.record.finite \
+            and not (main.trace and main.trace.events):
+        progress(f"the update of step {reached.step} made the weights non-finite: rerunning it with the update "
+                 "instrumented")
+        upd = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False,
+                       phases=frozenset({Phase.UPDATE}), ratios=False)
+        if upd.trace is not None:
+            main.trace.events.extend(upd.trace.events)
+        comparable.append((f"update-instrumented {prec.value}", upd))
     again = resolve_backward_source(target, reached, main, where=where)
     if again is not None:
         progress("reran once more for the forward line of the backward origin")
@@ -152,7 +183,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda)
     if fid.reproduced is False:
         progress(f"rerun of step {reached.step} differs from the replay: rerunning it once more")
-        second = run_step(target, reached, prec, where=where, instrument=False, tolerate_errors=True)
+        second = run_step(target, reached, prec, where=where, instrument=False, tolerate_errors=True,
+                          restore_after=False, ratios=False, update=update)
         fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda, again=second)
     evidence_found = bool(main.trace and main.trace.events) or any(p.level == "error" for p in data)
     if raised and not evidence_found:
@@ -168,7 +200,12 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     if prec is not ref_prec and prec.low:
         probe = _probe_for(main.origin)
         progress(f"rerunning step {reached.step} in {ref_prec.value} (reference)")
-        reference = run_step(target, reached, ref_prec, where=where, probe=probe, tolerate_errors=True)
+        reference = run_step(target, reached, ref_prec, where=where, probe=probe, tolerate_errors=True,
+                             restore_after=False, phases=_FWD_BWD, ratios=False, update=update,
+                             instrument=main.origin is not None)
+        if main.origin is None and not reference.finite and not reference.error:
+            reference = run_step(target, reached, ref_prec, where=where, tolerate_errors=True, restore_after=False,
+                                 phases=_FWD_BWD, ratios=False, update=update)
     traces: dict[str, StepTrace] = {prec.value: main}
     skipped_notes: list[str] = []
     if reference is not None:
@@ -182,7 +219,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                                  "nanprobe compare-precisions or --device cuda show it)")
             continue
         progress(f"rerunning step {reached.step} in {name}")
-        traces[name] = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True)
+        traces[name] = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True,
+                                restore_after=False, ratios=False, update=update)
     ev = Evidence(reached=reached, main=main, reference=reference, probe=probe,
                   others={k: v for k, v in traces.items() if k not in (prec.value,)}, data=data, cfg=cfg.run,
                   entry=loaded.entry)
@@ -196,7 +234,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
             t = traces[p.value]
             return None if t.error or not t.applied else t.finite
         progress(f"verifying a fix ({', '.join(overrides) or p.value})")
-        t = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True, **overrides)
+        in_update = any(k in overrides for k in ("max_grad_norm", "lr_scale", "param_overrides"))
+        t = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True, restore_after=False,
+                     ratios=False, update=update or in_update, **overrides)
         return None if t.error or not t.applied else t.finite
 
     findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)

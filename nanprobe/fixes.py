@@ -55,8 +55,7 @@ def _src(ev: Evidence) -> str:
 
 
 def _device(ev: Evidence) -> str:
-    return "cuda" if ev.reached.snapshot and any(
-        t.is_cuda for t in ev.reached.snapshot.model.values()) else "cpu"
+    return "cuda" if ev.reached.loop.device_type == "cuda" else "cpu"
 
 
 # -- precision ---------------------------------------------------------------------------------

@@ -41,6 +41,34 @@ _SKIP = {
     aten.isinf.default,
 }
 
+# Ops that cannot turn finite inputs into a non-finite output: they move, select, copy or mask
+# values (a masked_fill with -inf is an intended mask: its -inf is an input). A non-finite value
+# they pass on was produced by an earlier, checked op, so skipping them loses no origin.
+_MOVERS = {
+    aten.clone.default, aten._unsafe_view.default, aten.view.default, aten._reshape_alias.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
+    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+    aten.embedding.default, aten.index_select.default, aten.gather.default, aten.index.Tensor,
+    aten.cat.default, aten.stack.default, aten.relu.default, aten.relu_.default, aten.threshold_backward.default,
+    aten.copy.default,
+    aten.select_backward.default, aten.slice_backward.default, aten.constant_pad_nd.default,
+    aten.max_pool2d_with_indices.default, aten.repeat.default, aten.roll.default, aten.flip.default,
+    aten.tril.default, aten.triu.default, aten.zero_.default, aten.fill_.Scalar,
+}
+
+
+def _narrowing_cast(func, args, kwargs, out) -> bool:
+    """Whether a dtype conversion can overflow: to a type whose range is smaller (fp32 -> fp16)."""
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return False
+    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if src is None or not src.is_floating_point():
+        return True
+    return torch.finfo(out.dtype).max < 0.99 * torch.finfo(src.dtype).max
+
+
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+
 MAX_EVENTS = 12
 _OP_NAMES: dict[Any, str] = {}
 
@@ -196,8 +224,13 @@ class _OriginMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tracker
-        if not tr.active or func in _SKIP or func.is_view:
+        if not tr.active or func in _SKIP or func in _MOVERS or func.is_view:
             return func(*args, **kwargs)
+        if func in _CASTS:
+            out = func(*args, **kwargs)
+            if _narrowing_cast(func, args, kwargs, out):
+                tr._check(func, args, kwargs, out, [], None)
+            return out
         mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
         pre = None
         if mutated:
@@ -218,8 +251,11 @@ class OriginTracker:
     def __init__(self, model: torch.nn.Module,
                  optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None, *,
                  low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
-                 ranges: bool = True, source_of_node: int | None = None, context: int = 6):
+                 ranges: bool = True, source_of_node: int | None = None, context: int = 6,
+                 phases: frozenset[Phase] | None = None):
         self.model = model
+        # the phases whose ops are checked one by one (others run at full speed)
+        self.phases = frozenset(phases) if phases is not None else frozenset(Phase)
         self.optimizers = [] if optimizers is None else (
             [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers))
         self.names = {id(m): name for name, m in model.named_modules()}
@@ -255,7 +291,7 @@ class OriginTracker:
         self._modes = [_OriginMode(self)]
         for mode in self._modes:
             mode.__enter__()
-        self.active = True
+        self.active = self.phase in self.phases
         return self
 
     def __exit__(self, *exc) -> None:
@@ -273,11 +309,11 @@ class OriginTracker:
             self._started = True
             self.active = False
             self.base_seq = _next_sequence_nr()
-            self.active = True
         elif phase is not Phase.FORWARD and self.phase is Phase.FORWARD:
             self._flush_recent()
         self.phase = phase
-        if phase is Phase.UPDATE and self.optimizers:
+        self.active = phase in self.phases
+        if phase is Phase.UPDATE and self.optimizers and self.active:
             self._index_optimizer()
 
     def set_micro(self, j: int, batch_size: int | None, count: int) -> None:
@@ -301,7 +337,7 @@ class OriginTracker:
             return
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
-        if self.active and torch.is_grad_enabled():
+        if Phase.BACKWARD in self.phases and torch.is_grad_enabled():
             self._label_nodes(name, output)
         if self._want_ranges and self.active:
             outs = [t for _, t in iter_tensors(output) if t.is_floating_point() and t.numel() > 0]
@@ -336,7 +372,7 @@ class OriginTracker:
         self._recent.clear()
 
     def _record_range(self, name: str, t: torch.Tensor, op_index: int) -> None:
-        self.active = False  # our own reductions are not the user's ops
+        was, self.active = self.active, False  # our own reductions are not the user's ops
         try:
             with torch.no_grad(), torch._C.DisableTorchFunction():
                 x = t.detach()
@@ -356,7 +392,7 @@ class OriginTracker:
                                                   op_index=op_index,
                                                   dtype=str(t.dtype).replace("torch.", ""), stats=stats))
         finally:
-            self.active = True
+            self.active = was
 
     def _finish_ranges(self) -> None:
         if not self._module_stats:
@@ -426,12 +462,12 @@ class OriginTracker:
             outs = mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
         if not outs:
             return
-        self.active = False
+        was, self.active = self.active, False
         try:
             with torch._C.DisableTorchFunction():
                 self._check_outputs(func, args, kwargs, outs, mutated, pre)
         finally:
-            self.active = True
+            self.active = was
 
     def _check_outputs(self, func, args, kwargs, outs, mutated, pre) -> None:
         trace = self.trace

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,9 @@ from .errors import TargetError, UsageError, UserCodeError
 from .feed import DataEnd, Position, Recorded, Stream
 from .precision import Precision, device_of
 from .report import Status, StepRecord
-from .state import RngTracker, Snapshot, module_tensor_attrs, set_rng
+from .state import RngTracker, SavedModel, Snapshot, StoragePolicy, module_tensor_attrs, set_rng
 from .step import Loop, RunOptions, StepOutcome
+from .store import TensorStore, choose_mode
 from .target import Target, call_user
 
 
@@ -54,6 +55,7 @@ class Reached:
     scheduler_base_lrs: tuple[float, ...] = ()
     error: UserCodeError | None = None  # the user's code raised during this step
     earlier: list[StepRecord] = field(default_factory=list)  # bad steps before `step` (with --at)
+    step_ratios: dict[str, float] = field(default_factory=dict)  # per parameter, the replayed step's own
 
     @property
     def position(self) -> Position | None:
@@ -89,11 +91,36 @@ def scheduler_info(target: Target) -> dict[str, Any]:
 
 # -- the per-step check -----------------------------------------------------------------------------
 
-def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: dict[str, torch.Tensor] | None = None,
+def _delta_norms(named: list[tuple[str, torch.Tensor]], before: Mapping[str, torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per parameter: |w - w_before| and |w_before|, computed through one scratch buffer per dtype
+    (no parameter-sized temporary: a saved snapshot is streamed one tensor at a time)."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for _, p in named:
+        key = (p.dtype, p.device)
+        sizes[key] = max(sizes.get(key, 0), p.numel())
+    scratch = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    slots = before.slot if isinstance(before, SavedModel) else None
+    deltas, olds = [], []
+    with torch.no_grad():
+        for name, p in named:
+            buf = scratch[(p.dtype, p.device)][:p.numel()].view(p.shape)
+            if slots is not None:
+                slots(name).copy_into(buf)
+            else:
+                buf.copy_(before[name])
+            olds.append(torch.linalg.vector_norm(buf, dtype=torch.float32))
+            buf.sub_(p)
+            deltas.append(torch.linalg.vector_norm(buf, dtype=torch.float32))
+    return deltas, olds
+
+
+def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str, torch.Tensor] | None = None,
             position: Position | None = None) -> tuple[StepRecord, dict[str, float], bool]:
     """The cheap check of one finished step, read back with one device sync.
 
-    ``before`` (the parameters the step started from, by name) adds the update ratios |dw|/|w|.
+    ``before`` (the parameters the step started from, by name: a dict or a snapshot's saved model)
+    adds the update ratios |dw|/|w|.
     """
     model = loop.target.model
     device = outcome.loss.device if outcome.loss is not None else device_of(model)
@@ -102,17 +129,15 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: dict[str, to
              outcome.grad_norm.float().reshape(1).to(device) if outcome.grad_norm is not None else nan,
              outcome.found_inf.float().reshape(1).to(device) if outcome.found_inf is not None else nan,
              outcome.scale.float().reshape(1).to(device) if outcome.scale is not None else nan]
-    old_by_name = before or {}
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     params = [p for _, p in named]
     n = len(params)
     if params:
         parts.append(torch.stack([x.float() for x in torch._foreach_norm(params)]).to(device))
         if before is not None:
-            olds = [old_by_name[name].to(p.dtype) for name, p in named]
-            parts.append(torch.stack([x.float() for x in torch._foreach_norm(torch._foreach_sub(params, olds))])
-                         .to(device))
-            parts.append(torch.stack([x.float() for x in torch._foreach_norm(olds)]).to(device))
+            deltas, olds = _delta_norms(named, before)
+            parts.append(torch.stack(deltas).to(device))
+            parts.append(torch.stack(olds).to(device))
     values = torch.cat(parts).tolist()   # the one device sync
     loss = values[0] if outcome.loss is not None else None
     gnorm = values[1] if outcome.grad_norm is not None else None
@@ -174,6 +199,7 @@ class Replayer:
                  policy: str = "native"):
         self.target, self.cfg, self.where, self.policy = target, cfg, where, policy
         self.loop = Loop(target, where, precision, policy)
+        self.loop.objects.storage = storage_policy(cfg)
         self.device_type = self.loop.device_type
         self.rng = RngTracker(self.device_type)
         self.stream = Stream(target, self.rng)
@@ -181,6 +207,8 @@ class Replayer:
         self.notes: list[str] = []
         self._observed = False
         self._buffers = [b for _, b in target.model.named_buffers()]
+        self._ratio_store: TensorStore | None = None
+        self._ratio_slots = None
 
     @property
     def precision(self) -> Precision:
@@ -203,9 +231,17 @@ class Replayer:
         for _, opt in self.loop.target.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def params(self) -> dict[str, torch.Tensor]:
-        """A copy of the parameters (for the update ratio of one step)."""
-        return {n: p.detach().clone() for n, p in self.target.model.named_parameters()}
+    def params(self) -> SavedModel:
+        """The parameters now, saved for the update ratio of one step: in the snapshots' store (a file
+        for large CPU states), reused from step to step."""
+        named = [(n, p) for n, p in self.target.model.named_parameters()]
+        if self._ratio_store is None:
+            nbytes = sum(p.numel() * p.element_size() for _, p in named)
+            pol = self.loop.objects.storage
+            self._ratio_store = TensorStore(choose_mode(pol.mode, self.device_type, nbytes, pol.memory_mb),
+                                            pol.directory)
+        self._ratio_slots = self._ratio_store.put_all([p for _, p in named], reuse=self._ratio_slots)
+        return SavedModel([(n, p, slot) for (n, p), slot in zip(named, self._ratio_slots)])
 
     def run(self, feed, *, before: dict[str, torch.Tensor] | None = None
             ) -> tuple[StepOutcome, StepRecord, dict[str, float], bool]:
@@ -236,6 +272,11 @@ class Replayer:
     def replay(self, recorded: Recorded) -> StepOutcome:
         """Run a recorded step again (no fetch): the state goes where the live run took it."""
         return self.loop.run(recorded.feed(), self.options())
+
+
+def storage_policy(cfg: ReplayConfig) -> StoragePolicy:
+    return StoragePolicy(mode=cfg.snapshot_store, memory_mb=cfg.snapshot_memory_mb,
+                         directory=cfg.snapshot_dir or None)
 
 
 def _bad_record_note(record: StepRecord, reason: str) -> str:
@@ -320,8 +361,10 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
                                 history, ratios, reached_by, notes, error=exc, earlier=earlier)
             status, reason = r.judge.judge(record, params_finite)
             snap.restore(r.loop.objects)
-            return _reached(r, k, Recorded.of(feed), snap, status, reason, record, history, ratios, reached_by,
-                            notes, earlier=earlier)
+            out = _reached(r, k, Recorded.of(feed), snap, status, reason, record, history, ratios, reached_by,
+                           notes, earlier=earlier)
+            out.step_ratios = step_ratios
+            return out
         light = r.light()
         before = r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
         try:
@@ -379,7 +422,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         if rolling is None or len(log) >= every:
             # the state at step k's start; its first micro-batch is already fetched, and replaying the
             # log puts the RNG where that fetch left it, so the snapshot may be taken after it
-            rolling = r.loop.objects.take()
+            rolling = r.loop.objects.take(reuse=rolling)
             log = []
         try:
             outcome, record, step_ratios, params_finite = r.run(feed)
@@ -415,7 +458,7 @@ def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded]) -> tuple[Snaps
             _, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
     if not log:
         return rolling, ratios
-    return r.loop.objects.take(), ratios
+    return r.loop.objects.take(reuse=rolling), ratios   # the rolling snapshot's storage is not needed again
 
 
 __all__ = ["Reached", "reach", "NoBadStep", "measure", "Judge", "Replayer", "scheduler_info"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -135,21 +136,31 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
              max_grad_norm: float | None = None,
              lr_scale: float | None = None, param_overrides: dict[str, Any] | None = None,
              grad_scaler: bool | None = None, scale: float | None = None, tolerate_errors: bool = False,
-             observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None) -> StepTrace:
-    """Restore the state before the step, run it once, restore again. User objects end unchanged.
+             observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None,
+             restore_after: bool = True, phases: frozenset[Phase] | None = None,
+             ratios: bool = True, update: bool = True) -> StepTrace:
+    """Restore the state before the step and run it once; with ``restore_after`` (the default) restore
+    again, so the user's objects end unchanged. A caller that reruns several times passes False and
+    restores once at the end (``Reached.restore``): each restore copies the whole state.
 
     ``observe(phase)`` is called at each phase boundary (after the tracker), e.g. to read the
     gradients when the update phase begins. ``scale`` starts a GradScaler at that loss scale.
+    ``phases``: the phases whose ops the tracker checks one by one (default all); ``ratios``:
+    measure the update ratios |dw|/|w| (one more read of the saved parameters). ``update=False``
+    (``loss_fn`` loops whose replayed update was finite) ends the step after its gradients: the
+    weights stay as they are, so the next restore only writes back what a forward pass changes;
+    the record then carries the replayed step's own update ratio.
     """
     loop = reached.loop
     snapshot = reached.snapshot
-    snapshot.restore(loop.objects)
+    skip_update = not update and loop.target.step_fn is None and reached.record is not None
+    snapshot.restore(loop.objects, partial_ok=True)
     sizes = [batch_size(item) for item in reached.recorded.items]
     tracker = OriginTracker(loop.target.model, [o for _, o in loop.target.optimizers],
                             low_dtype=precision.dtype if precision.low else reached.precision.dtype
                             if reached.precision.low else torch.float16,
                             batch_size=sizes[0] if sizes else None, probe=probe,
-                            source_of_node=source_of_node) if instrument else None
+                            source_of_node=source_of_node, phases=phases) if instrument else None
 
     def on_micro(j: int) -> None:
         if tracker is not None:
@@ -158,7 +169,8 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     options = RunOptions(precision=precision, policy=reached.policy, on_phase=_phases(tracker, observe),
                          on_micro=on_micro, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
                          param_overrides=param_overrides,
-                         scaler=_scaler_for(loop, reached, precision, grad_scaler, scale))
+                         scaler=_scaler_for(loop, reached, precision, grad_scaler, scale),
+                         stop_before_update=skip_update)
     feed = reached.recorded.feed()
     try:
         with contextlib.ExitStack() as stack:
@@ -172,20 +184,25 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
             if tracker is not None:
                 stack.enter_context(tracker)
             outcome: StepOutcome = loop.run(feed, options)
-        record, ratios, _ = measure(loop, outcome, reached.step, before=snapshot.model,
-                                    position=reached.position)
+        record, update_ratios, _ = measure(loop, outcome, reached.step,
+                                           before=snapshot.model if ratios and not skip_update else None,
+                                           position=reached.position)
+        if skip_update:   # the update was not rerun: its ratio is the replayed step's own
+            record = dataclasses.replace(record, update_ratio=reached.record.update_ratio)
+            update_ratios = dict(reached.step_ratios)
         note = None if outcome.precision_applied else (
             f"{precision.value} could not be applied: your step_fn enters no torch.autocast, so nanprobe has "
             "no autocast to rewrite")
         return StepTrace(precision=precision, record=record, trace=tracker.trace if tracker else None,
-                         update_ratios=ratios, note=note, applied=outcome.precision_applied, outcome=outcome)
+                         update_ratios=update_ratios, note=note, applied=outcome.precision_applied, outcome=outcome)
     except UserCodeError as exc:  # e.g. an op without a kernel for this dtype on this device
         if not tolerate_errors:
             raise
         return StepTrace(precision=precision, record=None, trace=tracker.trace if tracker else None,
                          error=exc.message, exc=exc)
     finally:
-        snapshot.restore(loop.objects)
+        if restore_after or precision is Precision.FP64:
+            snapshot.restore(loop.objects, partial_ok=precision is not Precision.FP64)
 
 
 class _Float64Feed:
@@ -228,7 +245,8 @@ def resolve_backward_source(target, reached: Reached, trace: StepTrace, *, where
     if origin is None or origin.phase is not Phase.BACKWARD or origin.node_seq is None or origin.source:
         return None
     again = run_step(target, reached, trace.precision, where=where, source_of_node=origin.node_seq,
-                     tolerate_errors=True)
+                     tolerate_errors=True, restore_after=False, phases=frozenset({Phase.FORWARD, Phase.BACKWARD}),
+                     ratios=False, update=False)
     if again.trace is not None and again.trace.node_source:
         origin.source, origin.code = again.trace.node_source
     return again

@@ -17,12 +17,14 @@ import random
 import sys
 import types
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from .store import Slot, TensorStore, choose_mode
 
 # -- RNG streams --------------------------------------------------------------------------------------
 
@@ -271,80 +273,91 @@ def user_state_names(held: list[_Held]) -> dict[str, Any]:
 
 
 def _clone_tree(obj: Any) -> Any:
-    """A deep copy of a state dict in which every tensor is a fresh clone."""
+    """A deep copy of a (small) state dict in which every tensor is a fresh clone."""
     return copy.deepcopy(obj)
 
 
-def _same_layout(live: dict[Any, Any], saved: dict[Any, Any]) -> bool:
-    if live.keys() != saved.keys():
-        return False
-    for k, v in saved.items():
-        cur = live[k]
-        if isinstance(v, torch.Tensor):
-            if not isinstance(cur, torch.Tensor) or cur.shape != v.shape or cur.dtype != v.dtype \
-                    or cur.device != v.device:
-                return False
-        elif isinstance(v, dict) and not (isinstance(cur, dict) and _same_layout(cur, v)):
-            return False
-    return True
+@dataclass(frozen=True, slots=True)
+class StoragePolicy:
+    """Where snapshots keep their tensors (``replay.snapshot_store`` etc. in the config)."""
+
+    mode: str = "auto"             # auto | device | host | disk
+    memory_mb: float = 32.0        # auto: states up to this size stay on the device
+    directory: str | None = None   # disk: folder for the snapshot file (None: the system's temp folder)
 
 
-def _copy_into(live: dict[Any, Any], saved: dict[Any, Any]) -> bool:
-    """Copy the saved optimizer state into the live one in place; False (nothing copied) where the
-    layout differs."""
-    if not _same_layout(live, saved):
-        return False
-    for k, v in saved.items():
-        cur = live[k]
-        if isinstance(v, torch.Tensor):
-            with torch.no_grad():
-                cur.copy_(v)
-        elif isinstance(v, dict):
-            _copy_into(cur, v)
-        else:
-            live[k] = copy.deepcopy(v)
-    return True
+def _state_tensors(opt: torch.optim.Optimizer) -> list[tuple[int, Any, torch.Tensor]]:
+    """``(param index, key, tensor)`` for every tensor of the optimizer's per-parameter state."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    out = []
+    for p, st in opt.state.items():
+        i = index.get(id(p))
+        if i is None:
+            continue
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out.append((i, k, v))
+    return out
 
 
-def _optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {index: {...}}, "groups": [...]}`` with cloned tensors (the optimizer's own layout)."""
+def _optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's per-parameter state and groups, with every tensor left out (stored apart)."""
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
-    for p, s in opt.state.items():
+    for p, st in opt.state.items():
         i = index.get(id(p))
         if i is not None:
-            state[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                        for k, v in s.items()}
+            state[i] = {k: (None if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
     groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"state": state, "groups": groups}
 
 
-def _for_param(p: torch.Tensor, key: Any, v: Any) -> Any:
-    """A saved state value as the optimizer holds it for ``p`` (torch's own rule in load_state_dict:
-    floating state follows the parameter's dtype and device, ``step`` keeps its dtype)."""
-    if not isinstance(v, torch.Tensor):
-        return v
-    if key != "step" and v.is_floating_point() and (v.dtype != p.dtype or v.device != p.device) \
-            and p.is_floating_point():
-        return v.to(dtype=p.dtype, device=p.device)
-    return v
+def _want_dtype(p: torch.Tensor, key: Any, slot: Slot) -> torch.dtype:
+    """torch's rule in Optimizer.load_state_dict: floating state follows the parameter's dtype,
+    ``step`` keeps its own."""
+    if key != "step" and slot.dtype.is_floating_point and p.is_floating_point():
+        return p.dtype
+    return slot.dtype
 
 
-def _restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
+                       slots: dict[tuple[int, Any], Slot]) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
-        want = saved["state"].get(i)
+        want = layout["state"].get(i)
         have = opt.state.get(p)
         if want is None:
             if have:
                 opt.state.pop(p, None)
             continue
-        want = {k: _for_param(p, k, v) for k, v in want.items()}
-        if have is None or not _copy_into(have, want):
-            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                            for k, v in want.items()}
-    for group, want in zip(opt.param_groups, saved["groups"]):
+        fits = have is not None and have.keys() == want.keys()
+        if fits:
+            for k in want:
+                slot = slots.get((i, k))
+                cur = have[k]
+                if slot is not None:
+                    if not (isinstance(cur, torch.Tensor) and cur.shape == slot.shape and cur.device == slot.device
+                            and cur.dtype == _want_dtype(p, k, slot)):
+                        fits = False
+                        break
+        if fits:
+            for k, v in want.items():
+                slot = slots.get((i, k))
+                if slot is not None:
+                    slot.copy_into(have[k])
+                else:
+                    have[k] = copy.deepcopy(v)
+        else:
+            new = {}
+            for k, v in want.items():
+                slot = slots.get((i, k))
+                if slot is None:
+                    new[k] = copy.deepcopy(v)
+                    continue
+                new[k] = slot.load().to(dtype=_want_dtype(p, k, slot))
+            opt.state[p] = new
+    for group, want in zip(opt.param_groups, layout["groups"]):
         for k, v in want.items():
             cur = group.get(k)
             if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
@@ -356,12 +369,54 @@ def _restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> Non
             del group[k]
 
 
+def _restore_groups_only(opt: torch.optim.Optimizer, layout: dict[str, Any]) -> None:
+    """Put back each param group's hyper-parameters (a step may set the LR by hand)."""
+    for group, want in zip(opt.param_groups, layout["groups"]):
+        for k, v in want.items():
+            if not isinstance(v, torch.Tensor):
+                group[k] = copy.deepcopy(v)
+
+
+def _versions(objects: Objects) -> list[tuple[torch.Tensor, int, int, torch.dtype]]:
+    """Parameters and optimizer state tensors with their version counter, data pointer and dtype:
+    equal lists mean nothing wrote to them (an in-place write bumps the version)."""
+    out = []
+    for p in objects.model.parameters():
+        out.append((p, p._version, p.data_ptr(), p.dtype))
+    for _, opt in objects.optimizers:
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    out.append((v, v._version, v.data_ptr(), v.dtype))
+    return out
+
+
+class SavedModel(Mapping):
+    """A snapshot's parameters and buffers by qualified name; each is read from the store on access."""
+
+    def __init__(self, entries: list[tuple[str, torch.Tensor, Slot]]):
+        self._slots = {name: slot for name, _, slot in entries}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._slots[name].load()
+
+    def __iter__(self):
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def slot(self, name: str) -> Slot:
+        return self._slots[name]
+
+
 @dataclass(slots=True)
 class Snapshot:
     """Everything a step reads besides its batch, at one moment; restorable exactly (see module doc)."""
 
-    tensors: list[tuple[str, torch.Tensor, torch.Tensor]]   # (name, live parameter/buffer, saved clone)
-    optimizers: list[dict[str, Any]]
+    tensors: list[tuple[str, torch.Tensor, Slot]]   # (name, live parameter/buffer, its saved copy)
+    optimizers: list[dict[str, Any]]                 # layouts (tensors in ``opt_slots``)
+    opt_slots: list[dict[tuple[int, Any], Slot]]
     schedulers: list[dict[str, Any] | None]
     scalers: list[dict[str, Any]]
     rng: dict[str, Any]
@@ -369,18 +424,20 @@ class Snapshot:
     flags: list[tuple[torch.nn.Module, bool]]
     attrs: list[tuple[torch.nn.Module, str, Any, str]]   # (module, attribute, saved value, qualified name)
     user: list[_Held] = field(default_factory=list)
+    store: TensorStore | None = None
+    clean: list[tuple[torch.Tensor, int, int, torch.dtype]] | None = None   # after the last full restore
 
     @property
-    def model(self) -> dict[str, torch.Tensor]:
-        """The saved parameters and buffers by qualified name."""
-        return {name: saved for name, _, saved in self.tensors}
+    def model(self) -> SavedModel:
+        """The saved parameters and buffers by qualified name (read on access)."""
+        return SavedModel(self.tensors)
+
+    @property
+    def storage(self) -> str:
+        return self.store.mode if self.store is not None else "device"
 
     def nbytes(self) -> int:
-        n = sum(s.numel() * s.element_size() for _, _, s in self.tensors)
-        for o in self.optimizers:
-            for st in o["state"].values():
-                n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-        return n
+        return self.store.nbytes if self.store is not None else 0
 
     def changed_in_place(self) -> list[str]:
         """Names of carried tensors (closure variables, module attributes) the step changed in place."""
@@ -401,16 +458,32 @@ class Snapshot:
             (cells if h.kind == "cell" else owner)[h.key] = _get(h.value)
         return {"attrs": {qual: _get(v) for _, _, v, qual in self.attrs}, "cells": cells, "owner": owner}
 
-    def restore(self, objects: Objects) -> None:
-        """Write the saved state back into the user's objects (the same objects it was taken from)."""
+    def restore(self, objects: Objects, *, partial_ok: bool = False) -> None:
+        """Write the saved state back into the user's objects (the same objects it was taken from).
+
+        ``partial_ok``: when no parameter and no optimizer state tensor changed since the last full
+        restore (their version counters, pointers and dtypes say so: a step stopped before its
+        update), only the parts a forward and backward pass change are written back (buffers, RNG,
+        flags, carried state, LR groups, schedulers, GradScalers) and gradients are dropped.
+        """
+        full = not (partial_ok and self._untouched(objects))
+        params = set() if full else {id(p) for p in objects.model.parameters()}
         with torch.no_grad():
-            for _, live, saved in self.tensors:
-                if live.shape == saved.shape:
-                    live.copy_(saved)
+            for _, live, slot in self.tensors:
+                if id(live) in params:
+                    continue
+                if live.shape == slot.shape:
+                    slot.copy_into(live)
                 else:  # a parameter the step resized (rare): rebind its data
-                    live.data = saved.clone().to(live.dtype)
-        for (_, opt), saved in zip(objects.optimizers, self.optimizers):
-            _restore_optimizer(opt, saved)
+                    live.data = slot.load().to(live.dtype)
+        if full:
+            for (_, opt), layout, slots in zip(objects.optimizers, self.optimizers, self.opt_slots):
+                _restore_optimizer(opt, layout, slots)
+        else:
+            for (_, opt), layout in zip(objects.optimizers, self.optimizers):
+                _restore_groups_only(opt, layout)
+            for p in objects.model.parameters():
+                p.grad = None
         for (_, sched), saved in zip(objects.schedulers, self.schedulers):
             if saved is not None:
                 sched.load_state_dict(copy.deepcopy(saved))
@@ -424,6 +497,20 @@ class Snapshot:
             h.restore()
         torch.set_num_threads(self.threads)
         set_rng(self.rng)
+        if full:
+            self.clean = _versions(objects)
+
+    def _untouched(self, objects: Objects) -> bool:
+        if self.clean is None:
+            return False
+        now = _versions(objects)
+        return len(now) == len(self.clean) and all(
+            a[0] is b[0] and a[1:] == b[1:] for a, b in zip(now, self.clean))
+
+    def release(self) -> None:
+        """Free the stored tensors (the snapshot file too) now rather than at garbage collection."""
+        if self.store is not None:
+            self.store.close()
 
 
 def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
@@ -463,6 +550,7 @@ class Objects:
     fns: tuple[Any, ...]                 # the step functions whose closure state is carried
     own_scalers: list[tuple[str, torch.amp.GradScaler]] = field(default_factory=list)
     attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # module tensor attributes (found lazily)
+    storage: StoragePolicy = field(default_factory=StoragePolicy)
 
     def scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
         return self.own_scalers + self.user_scalers
@@ -470,19 +558,48 @@ class Objects:
     def refresh_attrs(self) -> None:
         self.attrs = module_tensor_attrs(self.model)
 
-    def take(self, rng: dict[str, Any] | None = None) -> Snapshot:
-        """Copy the state now (``rng``: the RNG states to store instead of the current ones)."""
+    def _tensors(self) -> tuple[list[tuple[str, torch.Tensor]], list[list[tuple[int, Any, torch.Tensor]]]]:
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        named += [(n, b) for n, b in self.model.named_buffers()]
+        return named, [_state_tensors(o) for _, o in self.optimizers]
+
+    def take(self, rng: dict[str, Any] | None = None, reuse: Snapshot | None = None) -> Snapshot:
+        """Copy the state now (``rng``: the RNG states to store instead of the current ones).
+
+        ``reuse``: an earlier snapshot of these objects whose storage (buffers or file) is
+        overwritten when the layout is unchanged, so a rolling snapshot allocates nothing new.
+        """
         if self.attrs is None:
             self.refresh_attrs()
-        tensors = [(n, p, p.detach().clone()) for n, p in self.model.named_parameters()]
-        tensors += [(n, b, b.detach().clone()) for n, b in self.model.named_buffers()]
+        named, opt_tensors = self._tensors()
+        flat = [t for _, t in named] + [t for ts in opt_tensors for _, _, t in ts]
+        device_type = _device_type(self.model)
+        if reuse is not None and reuse.store is not None:
+            store = reuse.store
+            old = [s for _, _, s in reuse.tensors] + [s for slots in reuse.opt_slots for s in slots.values()]
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in flat)
+            p = self.storage
+            store = TensorStore(choose_mode(p.mode, device_type, nbytes, p.memory_mb), p.directory)
+            old = None
+        slots = store.put_all(flat, reuse=old)
+        n = len(named)
+        tensors = [(name, live, slot) for (name, live), slot in zip(named, slots[:n])]
+        opt_slots = []
+        i = n
+        for (_, opt), ts in zip(self.optimizers, opt_tensors):
+            d = {}
+            for (pi, k, _), slot in zip(ts, slots[i:i + len(ts)]):
+                d[(pi, k)] = slot
+            i += len(ts)
+            opt_slots.append(d)
         scheds = []
         for _, s in self.schedulers:
             scheds.append(_clone_tree(s.state_dict()) if callable(getattr(s, "state_dict", None)) else None)
-        device_type = _device_type(self.model)
         return Snapshot(
             tensors=tensors,
-            optimizers=[_optimizer_state(o) for _, o in self.optimizers],
+            optimizers=[_optimizer_layout(o) for _, o in self.optimizers],
+            opt_slots=opt_slots,
             schedulers=scheds,
             scalers=[_scaler_state(s) for _, s in self.scalers()],
             rng=rng if rng is not None else capture_rng(device_type),
@@ -490,6 +607,7 @@ class Objects:
             flags=[(m, m.training) for m in self.model.modules()],
             attrs=[(m, name, _value(getattr(m, name, None)), qual) for m, name, qual in self.attrs],
             user=capture_user_state(self.fns),
+            store=store,
         )
 
 

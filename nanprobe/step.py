@@ -90,6 +90,7 @@ class RunOptions:
     lr_scale: float | None = None             # multiply every group's LR for this step
     param_overrides: dict[str, Any] | None = None   # e.g. {"eps": 1e-8} for every param group
     scaler: Any = _KEEP                       # loss_fn: a GradScaler to use instead of the loop's own (None: none)
+    stop_before_update: bool = False          # loss_fn: end after the gradients (no optimizer step, no schedule)
 
 
 class Loop:
@@ -225,6 +226,10 @@ def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
     else:
         grad_norm = None
     lr = current_lr(opts[0][1]) if opts else None
+    if o.stop_before_update:
+        return StepOutcome(loss=total, losses={f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1
+                           else {}, grad_norm=None if grad_norm is None else grad_norm.detach(), lr=lr,
+                           found_inf=found, scale=scale, micro=j, stepped=())
     if opts:
         with _update_overrides(opts, o.lr_scale, o.param_overrides):
             for _, opt in opts:

@@ -1,0 +1,212 @@
+"""Where a snapshot's tensors live while nanprobe needs them.
+
+* ``device`` — clones beside the originals: fastest, costs the state's size in device memory;
+  used for small states.
+* ``host``  — copies in host memory, for CUDA runs: the GPU keeps only what training needs.
+* ``disk``  — one file, for large CPU states: the process's memory stays what training needs.
+  Tensors are written from and read back into the live tensors' own memory (no temporary copy,
+  no fresh allocation), so a restore costs one read of the state.
+
+A :class:`TensorStore` is refilled in place (``put`` over the same slots), so a rolling snapshot
+taken every K steps reuses its buffers or its file instead of allocating again.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("auto", "device", "host", "disk")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous CPU tensor's memory (no copy)."""
+    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+@dataclass(slots=True)
+class Slot:
+    """One saved tensor: its place in the store and its layout."""
+
+    store: TensorStore
+    index: int
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    offset: int = 0          # disk: byte offset in the file
+    nbytes: int = 0
+
+    def load(self) -> torch.Tensor:
+        """A fresh tensor holding the saved values, on the original device."""
+        return self.store.load(self)
+
+    def copy_into(self, live: torch.Tensor) -> None:
+        """Write the saved values into ``live`` (same shape; dtype converted if it differs)."""
+        self.store.copy_into(self, live)
+
+
+class TensorStore:
+    """A set of saved tensors in one place (see the module docstring)."""
+
+    def __init__(self, mode: str, directory: str | None = None):
+        if mode not in ("device", "host", "disk"):
+            raise ValueError(mode)
+        self.mode = mode
+        self.directory = directory or None
+        self._tensors: list[torch.Tensor | None] = []
+        self._file = None
+        self._path: str | None = None
+        self._size = 0
+        self._finalizer = None
+
+    # -- writing --------------------------------------------------------------------------------------
+    def put_all(self, tensors: Iterable[torch.Tensor], reuse: list[Slot] | None = None) -> list[Slot]:
+        """Save ``tensors``; with ``reuse`` (the slots of an earlier put of the same layout) the same
+        buffers / file region are overwritten instead of allocated."""
+        tensors = list(tensors)
+        if reuse is not None and len(reuse) == len(tensors) and all(
+                s.shape == t.shape and s.dtype == t.dtype and s.device == t.device for s, t in zip(reuse, tensors)):
+            for s, t in zip(reuse, tensors):
+                self._overwrite(s, t)
+            return reuse
+        self._reset()
+        return [self._put(t) for t in tensors]
+
+    def _reset(self) -> None:
+        self._tensors = []
+        self._size = 0
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()
+
+    def _put(self, t: torch.Tensor) -> Slot:
+        t = t.detach()
+        slot = Slot(store=self, index=len(self._tensors), shape=t.shape, dtype=t.dtype, device=t.device,
+                    nbytes=t.numel() * t.element_size())
+        if self.mode == "device":
+            self._tensors.append(t.clone())
+        elif self.mode == "host":
+            self._tensors.append(t.to("cpu", copy=True))
+        else:
+            f = self._open()
+            slot.offset = self._size
+            self._write(f, t, slot.offset)
+            self._size += slot.nbytes
+            self._tensors.append(None)
+        return slot
+
+    def _overwrite(self, slot: Slot, t: torch.Tensor) -> None:
+        if self.mode == "disk":
+            self._write(self._open(), t.detach(), slot.offset)
+        else:
+            with torch.no_grad():
+                self._tensors[slot.index].copy_(t.detach())
+
+    def _open(self):
+        if self._file is None:
+            fd, path = tempfile.mkstemp(prefix="nanprobe-snapshot-", suffix=".bin", dir=self.directory)
+            self._file = os.fdopen(fd, "w+b", buffering=0)
+            self._path = path
+            self._finalizer = weakref.finalize(self, _remove, self._file, path)
+        return self._file
+
+    @staticmethod
+    def _write(f, t: torch.Tensor, offset: int) -> None:
+        f.seek(offset)
+        if t.device.type == "cpu":
+            src = t if t.is_contiguous() else t.contiguous()
+            f.write(memoryview(_as_bytes(src).numpy()))
+        else:   # through host memory in chunks, so no state-sized host buffer appears
+            flat = t.reshape(-1)
+            step = max(1, (64 << 20) // max(t.element_size(), 1))
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start:start + step].to("cpu")
+                f.write(memoryview(_as_bytes(chunk).numpy()))
+
+    # -- reading --------------------------------------------------------------------------------------
+    def load(self, slot: Slot) -> torch.Tensor:
+        if self.mode == "device":
+            return self._tensors[slot.index].clone()
+        if self.mode == "host":
+            return self._tensors[slot.index].to(slot.device, copy=True)
+        out = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
+        self._read_into(slot, out)
+        return out.to(slot.device) if slot.device.type != "cpu" else out
+
+    def copy_into(self, slot: Slot, live: torch.Tensor) -> None:
+        with torch.no_grad():
+            if self.mode != "disk":
+                live.copy_(self._tensors[slot.index])
+            elif live.device.type == "cpu" and live.dtype == slot.dtype and live.is_contiguous():
+                self._read_into(slot, live)
+            elif live.device.type == "cpu" and live.dtype == slot.dtype:
+                tmp = torch.empty(slot.shape, dtype=slot.dtype)
+                self._read_into(slot, tmp)
+                live.copy_(tmp)
+            else:   # another device or dtype: through host memory in chunks
+                flat = live.view(-1) if live.is_contiguous() else None
+                if flat is None:
+                    live.copy_(self.load(slot))
+                    return
+                step = max(1, (64 << 20) // max(torch.empty((), dtype=slot.dtype).element_size(), 1))
+                n = flat.numel()
+                for start in range(0, n, step):
+                    count = min(step, n - start)
+                    buf = torch.empty(count, dtype=slot.dtype)
+                    self._read_range(slot, buf, start)
+                    flat[start:start + count].copy_(buf)
+
+    def _read_into(self, slot: Slot, out: torch.Tensor) -> None:
+        self._read_range(slot, out, 0)
+
+    def _read_range(self, slot: Slot, out: torch.Tensor, start: int) -> None:
+        f = self._open()
+        elem = out.element_size()
+        f.seek(slot.offset + start * elem)
+        view = memoryview(_as_bytes(out).numpy())
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"snapshot file {self._path} is shorter than expected")
+            got += n
+
+    @property
+    def nbytes(self) -> int:
+        if self.mode == "disk":
+            return self._size
+        return sum(t.numel() * t.element_size() for t in self._tensors if t is not None)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+            self._file = None
+
+
+def _remove(f, path: str) -> None:
+    try:
+        f.close()
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def choose_mode(mode: str, device_type: str, nbytes: int, memory_limit_mb: float) -> str:
+    """``auto``: on the device for states up to ``memory_limit_mb``; above it, host memory for CUDA
+    runs and a file for CPU runs."""
+    if mode != "auto":
+        return mode
+    if nbytes <= memory_limit_mb * (1 << 20):
+        return "device"
+    return "host" if device_type == "cuda" else "disk"
+
+
+__all__ = ["TensorStore", "Slot", "choose_mode", "MODES"]
