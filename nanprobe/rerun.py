@@ -13,7 +13,7 @@ import torch
 from .batch import map_tensors
 from .errors import UserCodeError
 from .instrument import Event, OriginTracker, Probe, Trace
-from .precision import Precision, device_of
+from .precision import Precision, device_of, emulate_fp16_matmuls
 from .replay import Reached, measure
 from .report import Phase, StepRecord
 from .state import Snapshot
@@ -71,10 +71,13 @@ def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
 
 
 @contextlib.contextmanager
-def _float64(loop: Loop, snapshot: Snapshot):
+def _float64(loop: Loop, snapshot: Snapshot, update: bool):
     """Run the step in float64: parameters, buffers and gradients widened in place (same objects),
-    the optimizer state following them, default dtype float64. On exit, errors too, every tensor
-    gets its original dtype back; the caller's final restore then reloads values and state."""
+    default dtype float64. The optimizer state follows them only when the step runs its update.
+    On exit, errors too, every tensor gets its original dtype back; a step that ran no update left
+    the values exact (float32 -> float64 -> float32 is lossless), so the state is marked restored."""
+    from .state import _versions
+
     model = loop.target.model
     saved = [(t, t.dtype) for t in [*model.parameters(), *model.buffers()]
              if t.is_floating_point() and t.dtype != torch.float64]
@@ -88,18 +91,22 @@ def _float64(loop: Loop, snapshot: Snapshot):
         if grad is not None:
             t.grad = grad.to(dtype)
 
+    snapshot.restore(loop.objects, partial_ok=True)   # the exact values, before widening them
     try:
         with torch.no_grad():
             for t, _ in saved:
                 cast(t, torch.float64)
         torch.set_default_dtype(torch.float64)
-        snapshot.restore(loop.objects)  # exact values again; optimizer state follows the parameters' dtype
+        if update:   # the optimizer state follows the parameters' dtype (torch's own rule)
+            snapshot.restore(loop.objects)
         yield
     finally:
         torch.set_default_dtype(default)
         with torch.no_grad():
             for t, dtype in saved:
                 cast(t, dtype)
+        if not update:
+            snapshot.clean = _versions(loop.objects)   # parameters exact again; buffers restored next time
 
 
 def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | None):
@@ -138,7 +145,7 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
              grad_scaler: bool | None = None, scale: float | None = None, tolerate_errors: bool = False,
              observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None,
              restore_after: bool = True, phases: frozenset[Phase] | None = None,
-             ratios: bool = True, update: bool = True) -> StepTrace:
+             ratios: bool = True, update: bool = True, emulate_fp16: bool = False) -> StepTrace:
     """Restore the state before the step and run it once; with ``restore_after`` (the default) restore
     again, so the user's objects end unchanged. A caller that reruns several times passes False and
     restores once at the end (``Reached.restore``): each restore copies the whole state.
@@ -149,7 +156,8 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     measure the update ratios |dw|/|w| (one more read of the saved parameters). ``update=False``
     (``loss_fn`` loops whose replayed update was finite) ends the step after its gradients: the
     weights stay as they are, so the next restore only writes back what a forward pass changes;
-    the record then carries the replayed step's own update ratio.
+    the record then carries the replayed step's own update ratio. ``emulate_fp16``: CPU fp16 matmuls
+    as fp16-rounded inputs times float32 arithmetic (see precision.emulate_fp16_matmuls).
     """
     loop = reached.loop
     snapshot = reached.snapshot
@@ -174,8 +182,10 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     feed = reached.recorded.feed()
     try:
         with contextlib.ExitStack() as stack:
+            if emulate_fp16 and precision is Precision.FP16 and loop.device_type == "cpu":
+                stack.enter_context(emulate_fp16_matmuls())   # outermost: the tracker above sees the user's ops
             if precision is Precision.FP64:  # the user's objects get their dtypes back when the stack exits
-                stack.enter_context(_float64(loop, snapshot))
+                stack.enter_context(_float64(loop, snapshot, update=not skip_update))
                 feed = _Float64Feed(feed)
             if source_of_node is not None:  # anomaly mode records each node's forward stack
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
@@ -201,8 +211,8 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
         return StepTrace(precision=precision, record=None, trace=tracker.trace if tracker else None,
                          error=exc.message, exc=exc)
     finally:
-        if restore_after or precision is Precision.FP64:
-            snapshot.restore(loop.objects, partial_ok=precision is not Precision.FP64)
+        if restore_after or (precision is Precision.FP64 and not skip_update):
+            snapshot.restore(loop.objects, partial_ok=True)
 
 
 class _Float64Feed:

@@ -212,3 +212,35 @@ def test_cuda_autocast_policy_is_emulated_on_cpu(policy, overflow):
         assert all(e.phase is not Phase.FORWARD for e in t.trace.events)
     with torch.autocast("cpu", dtype=torch.float16):  # the emulation is scoped to the rerun
         assert torch.softmax(torch.ones(2, 2) @ torch.ones(2, 2), -1).dtype == torch.float16
+
+
+def test_fp16_matmul_emulation_matches_cpu_fp16_and_keeps_the_users_op_name():
+    """compare-precisions' fp16 what-ifs on CPU: fp16 inputs times float32 arithmetic, rounded to fp16.
+    The values match CPU's own fp16 kernels (which also accumulate in float32) up to summation order,
+    and an overflow is still born at the user's op (the emulation sits below the tracker)."""
+    from nanprobe.precision import emulate_fp16_matmuls
+
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32, 64).half(), torch.randn(4, 64, 48).half()
+    native = a @ b
+    with emulate_fp16_matmuls():
+        emulated = a @ b
+        lin = F.linear(torch.randn(8, 64).half(), torch.randn(16, 64).half())
+    assert emulated.dtype == lin.dtype == torch.float16
+    ulp = torch.finfo(torch.float16).eps * native.abs().float().clamp(min=1)
+    assert ((emulated.float() - native.float()).abs() <= ulp).all()
+
+    class Scores(nn.Module):
+        def forward(self, q):
+            return (q @ q.transpose(-2, -1)).float().mean()   # |q.q| reaches 1e5 > 65504 in fp16
+
+    model = nn.Sequential(nn.Linear(8, 8), Scores())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(8) * 60)
+        model[0].bias.zero_()
+    x = torch.full((2, 3, 8), 2.0)
+    target = Target(model=model, loss_fn=lambda m, b: m(b), batches=[x], precision=Precision.FP32)
+    reached = reach(target, at=0, precision=Precision.FP32, cfg=load_config().replay, where="test")
+    trace = run_step(target, reached, Precision.FP16, where="test", emulate_fp16=True, tolerate_errors=True)
+    e = trace.origin
+    assert (e.phase, e.module, e.op, e.kind) == (Phase.FORWARD, "1", "aten.bmm.default", "+inf")

@@ -37,13 +37,17 @@ def _quiet(device_type: str):
 
 @dataclass(slots=True)
 class _Store:
-    """What the reference run keeps for the elementwise comparisons."""
+    """What the reference run keeps for the elementwise comparisons (outputs as float32; the
+    parameter gradients in a TensorStore: a file for large CPU models)."""
 
     budget: int                                           # bytes for outputs and gradient masks
     used: int = 0
     outputs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    grad_masks: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_masks: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # |ref grad| >= floor
+    ref2: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)        # sum ref^2 of each output
+    grads: dict[str, Any] = field(default_factory=dict)                            # name -> Slot (float32)
+    grad_store: Any = None
+    storage: Any = None                                   # nanprobe.state.StoragePolicy for grad_store
     full: bool = False
 
     def fits(self, t: torch.Tensor, itemsize: int) -> bool:
@@ -65,6 +69,23 @@ class _Row:
     values: torch.Tensor
 
 
+def _underflow(t: torch.Tensor, ref: torch.Tensor | None, ref_mask: torch.Tensor | None, tiny: float,
+               through: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements zero or below ``tiny`` in ``t`` where the reference is >= the float32 floor,
+    elements >= the floor in the reference), as float64 scalars. Two cheap passes (min |x|, no
+    temporaries) decide the common case of nothing small; the masks are built only otherwise."""
+    on_cpu = t.device.type == "cpu"
+    if ref_mask is None and on_cpu:
+        ref_min = float(torch.linalg.vector_norm(ref, ord=-math.inf))
+        all_ref = ref_min >= _FLOOR
+        if all_ref and float(torch.linalg.vector_norm(t, ord=-math.inf)) >= tiny:
+            return torch.zeros((), dtype=torch.float64), torch.tensor(float(ref.numel()), dtype=torch.float64)
+    nz = ref_mask if ref_mask is not None else ref.abs() >= _FLOOR
+    a = t.abs()
+    small = a < tiny if through is None else (a == 0) | ((a < tiny) & (t.to(through).to(t.dtype) == t))
+    return (nz & small).sum().double(), nz.sum().double()
+
+
 class _Capture:
     def __init__(self, model: torch.nn.Module, store: _Store, *, reference: bool, low: torch.dtype, scale: float,
                  device_type: str):
@@ -78,6 +99,7 @@ class _Capture:
         self.rows: list[_Row] = []
         self._alive: dict[int, torch.Tensor] = {}
         self._ref_by_id: dict[int, torch.Tensor] = {}
+        self._measured: set[str] = set()      # parameters whose gradient is measured (once per run)
         self._handle = None
 
     def __enter__(self) -> _Capture:
@@ -121,81 +143,113 @@ class _Capture:
         with _quiet(self.device_type):
             self._tensor("grad", key, g.detach(), unique, None)
 
-    def _tensor(self, kind: str, key: tuple[str, int], t: torch.Tensor, unique: bool, ident: int | None) -> None:
+    def _stats(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Largest finite |x| and the count of non-finite values, as float64 scalars.
+
+        One pass (an infinity norm) when the tensor is finite; the masked passes only when it is not
+        (on CPU, where reading the answer costs nothing; on CUDA always, to stay free of syncs)."""
+        if t.device.type == "cpu":
+            m = torch.linalg.vector_norm(t, ord=math.inf)
+            if math.isfinite(float(m)):
+                return m.double(), torch.zeros((), dtype=torch.float64)
         a = t.abs()
         finite = torch.isfinite(a)
-        zero = torch.zeros((), dtype=a.dtype, device=a.device)
-        absmax = torch.where(finite, a, zero).amax().double()
-        nonfinite = (~finite).sum().double()
-        small = a < torch.finfo(t.dtype).tiny            # zero or subnormal in its own dtype
+        return torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device)).amax().double(), \
+            (~finite).sum().double()
+
+    def _tensor(self, kind: str, key: tuple[str, int], t: torch.Tensor, unique: bool, ident: int | None) -> None:
+        absmax, nonfinite = self._stats(t)
         nought = torch.zeros((), dtype=torch.float64, device=t.device)
         diff2 = ref2 = under = count = nought
         compared = False
         store = self.store
+        low = self.low in (torch.float16, torch.bfloat16)
         if self.reference:
             if kind == "out":
                 kept = self._ref_by_id.get(ident) if ident is not None else None
-                if kept is None and store.fits(t, t.element_size()):
-                    kept = t.clone()
+                if kept is None and store.fits(t, 4):
+                    kept = t.to(torch.float32, copy=True)
                     self._ref_by_id[ident] = kept
                 if kept is not None:
                     store.outputs[key] = kept
-                ref2 = t.double().square().sum()
+                ref2 = torch.linalg.vector_norm(t, dtype=torch.float64).square()
+                store.ref2[key] = ref2
             elif store.fits(t, 1):
                 store.grad_masks[key] = t.abs() >= _FLOOR
-            count = (t.abs() >= _FLOOR).sum().double()
             compared = True
         else:
             ref = (store.outputs if kind == "out" else store.grad_masks).get(key)
             if ref is not None and ref.shape == t.shape:
                 if kind == "out":
-                    r = ref.double()
-                    diff2 = (t.double() - r).square().sum()
-                    ref2 = r.square().sum()
-                    nz = ref.abs() >= _FLOOR
-                else:
-                    nz = ref
-                under = (nz & small).sum().double()
-                count = nz.sum().double()
+                    d = t.float() - ref
+                    diff2 = torch.linalg.vector_norm(d, dtype=torch.float64).square()
+                    ref2 = store.ref2.get(key, nought)
+                if low:   # zero or subnormal in its own dtype where the reference is not
+                    under, count = _underflow(t, ref if kind == "out" else None, None if kind == "out" else ref,
+                                              torch.finfo(t.dtype).tiny)
                 compared = True
         self.rows.append(_Row(kind=kind, module=key[0], unique=unique, dtype=str(t.dtype).replace("torch.", ""),
                               compared=compared,
                               values=torch.stack([absmax, nonfinite, diff2, ref2, under, count, nought, nought])))
 
     def _param_grads(self) -> None:
+        named = [(name, p.grad.detach()) for name, p in self.params
+                 if p.grad is not None and name not in self._measured]
+        if not named:
+            return
+        self._measured.update(name for name, _ in named)
+        grads = [g for _, g in named]
+        norms = torch._foreach_norm(grads)                       # fused: |g| of every gradient
+        infs = torch._foreach_norm(grads, ord=math.inf)          # fused: max |g|
         tiny = torch.finfo(self.low).tiny
-        for name, p in self.params:
-            g = p.grad
-            if g is None:
-                continue
-            g = g.detach()
+        low = self.low in (torch.float16, torch.bfloat16)
+        store = self.store
+        nought = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        if self.reference:
+            if store.grad_store is None:
+                from ..state import StoragePolicy
+                from ..store import TensorStore, choose_mode
+                pol = store.storage or StoragePolicy()
+                nbytes = sum(g.numel() * 4 for g in grads)
+                store.grad_store = TensorStore(choose_mode(pol.mode, grads[0].device.type, nbytes, pol.memory_mb),
+                                               pol.directory)
+            slots = store.grad_store.put_all([g.float() if g.dtype != torch.float32 else g for g in grads])
+            store.grads.update({name: slot for (name, _), slot in zip(named, slots)})
+        scratch: dict[tuple, torch.Tensor] = {}
+        for (name, g), n2, inf in zip(named, norms, infs):
             module = name.rpartition(".")[0] or ROOT
-            a = g.abs()
-            finite = torch.isfinite(a)
-            absmax = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device)).amax().double()
-            nonfinite = (~finite).sum().double()
-            nought = torch.zeros((), dtype=torch.float64, device=g.device)
+            if math.isfinite(float(inf)) if g.device.type == "cpu" else False:
+                absmax, nonfinite = inf.double(), nought
+            else:
+                absmax, nonfinite = self._stats(g)
             if self.reference:
-                self.store.grads[name] = g.clone()
-                r = g.double()
-                row = [absmax, nonfinite, nought, r.square().sum(), nought, (g.abs() >= _FLOOR).sum().double(),
-                       r.square().sum(), r.square().sum()]
+                r2 = n2.double().square()
+                row = [absmax, nonfinite, nought, r2, nought, nought, r2, r2]
                 compared = True
             else:
-                ref = self.store.grads.get(name)
-                compared = ref is not None and ref.shape == g.shape
+                slot = store.grads.get(name)
+                compared = slot is not None and slot.shape == g.shape
                 if not compared:
                     row = [absmax, nonfinite] + [nought] * 6
                 else:
-                    r = ref.double()
-                    gu = g.double() / self.scale
-                    if g.dtype == self.low:
-                        small = a < tiny
-                    else:  # zero, or a subnormal of the compute dtype that came through it exactly
-                        small = (a == 0) | ((a < tiny) & (g.to(self.low).to(g.dtype) == g))
-                    nz = ref.abs() >= _FLOOR
-                    row = [absmax, nonfinite, (gu - r).square().sum(), r.square().sum(), (nz & small).sum().double(),
-                           nz.sum().double(), (gu * r).sum(), gu.square().sum()]
+                    key = (g.device, g.numel())
+                    buf = scratch.get(key)
+                    if buf is None:
+                        buf = scratch[key] = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+                    r = buf.view(g.shape)
+                    slot.copy_into(r)                       # the reference gradient (float32)
+                    gu = g.float() if self.scale == 1.0 else g.float() / self.scale
+                    r2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
+                    dot = torch.dot(gu.reshape(-1), r.reshape(-1)).double()
+                    sq = (n2.double() / self.scale).square()
+                    # an fp32 gradient of an fp16 run underflowed where it is 0, or subnormal in fp16 and
+                    # exactly representable there (it came through fp16); elsewhere: 0 or subnormal in its dtype
+                    under = count = nought
+                    if low:
+                        under, count = _underflow(g, r, None, tiny, through=self.low if g.dtype != self.low else None)
+                    r.sub_(gu)
+                    diff2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
+                    row = [absmax, nonfinite, diff2, r2, under, count, dot, sq]
             self.rows.append(_Row(kind="param", module=module, unique=True, dtype=str(g.dtype).replace("torch.", ""),
                                   compared=compared, values=torch.stack(row)))
 

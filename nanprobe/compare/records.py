@@ -39,7 +39,9 @@ DEFINITIONS = {
     "underflow.origin_inputs": "where a precision went non-finite in the forward pass: share of the origin op's "
                                "input elements, non-zero in the reference, that are zero or subnormal there (both "
                                "probed): the underflow inside a module that fed a log/div",
-    "underflow.max": "the largest of the shares above",
+    "underflow.max": "the largest of the shares above; measured for fp16 and bf16 runs (fp32 and tf32 share "
+                     "the reference's floor, float32's smallest normal, so nothing the reference holds can "
+                     "underflow there: shown as null)",
     "underflow_explains": "share of the origin op's non-finite outputs at whose position an input underflowed "
                           "(1.0: the underflow is the whole cause)",
     "out_rel_err": "||y - y_ref|| / ||y_ref|| over a module's outputs (all its calls)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
@@ -14,9 +15,9 @@ from ..diagnose import origin_of
 from ..entry import Loaded, load_target
 from ..errors import UsageError
 from ..instrument import Event, Probe
-from ..precision import Precision, describe_device, device_of
+from ..precision import Precision, describe_device, device_of, emulate_fp16_matmuls
 from ..replay import NoBadStep, Reached, reach
-from ..report import Phase
+from ..report import Phase, Status
 from ..rerun import run_step
 from .measure import (ROOT, _bits, _Capture, _dtype_max, _input_underflow, _Measured, _OpProbe, _OriginProbe, _pct,
                       _pow2, _Run, _Store)
@@ -25,10 +26,19 @@ from .records import (_PREFERENCE, _RUNS, CHOICES, Comparison, LayerRow, LayerSt
 
 
 class _Comparer:
-    def __init__(self, loaded: Loaded, reached: Reached, cfg: CompareConfig, progress: Callable[[str], None]):
+    def __init__(self, loaded: Loaded, reached: Reached, cfg: CompareConfig, progress: Callable[[str], None],
+                 storage=None):
         self.loaded, self.target, self.reached, self.cfg, self.progress = loaded, loaded.target, reached, cfg, progress
         self.device = device_of(self.target.model)
-        self.store = _Store(budget=int(cfg.max_reference_mb * 2 ** 20))
+        self.store = _Store(budget=int(cfg.max_reference_mb * 2 ** 20), storage=storage)
+        # reruns end before the optimizer update unless the update is in question (as in nanprobe run)
+        rec = reached.record
+        suspect = rec is not None and not rec.finite and (rec.loss is None or math.isfinite(rec.loss)) and \
+            (rec.grad_norm is None or math.isfinite(rec.grad_norm))
+        self.update = self.target.step_fn is not None or rec is None or suspect or reached.status is Status.SPIKE
+        # fp16 what-ifs on CPU run fp16 matmuls emulated (float32 arithmetic, fp16 rounding): CPU fp16
+        # kernels are 5-10x slower; the run's own precision keeps its native kernels
+        self.emulate = self.device.type == "cpu" and reached.precision is not Precision.FP16
         scaler = reached.loop.scaler
         reached.restore()
         self.base_scale = float(scaler.get_scale()) if scaler is not None and scaler._scale is not None else 65536.0
@@ -37,7 +47,8 @@ class _Comparer:
     def _step(self, name: str, *, scale: float | None = None, **kwargs):
         prec, scaler = _RUNS[name]
         return run_step(self.target, self.reached, prec, where=self.loaded.where, grad_scaler=scaler,
-                        scale=scale if scaler else None, **kwargs)
+                        scale=scale if scaler else None, restore_after=False, update=self.update,
+                        emulate_fp16=self.emulate, **kwargs)
 
     def run(self, name: str, *, reference: bool, tolerate: bool, scale: float | None = None) -> _Run:
         prec, scaler = _RUNS[name]
@@ -89,7 +100,8 @@ class _Comparer:
             probe = Probe(phase=event.phase, module=event.module, op=event.op, occurrence=event.occurrence,
                           node=event.node)
             run_step(self.target, self.reached, _RUNS[ref_name][0], where=self.loaded.where, instrument=True,
-                     probe=probe, tolerate_errors=True)
+                     probe=probe, tolerate_errors=True, restore_after=False, update=False, ratios=False,
+                     phases=frozenset({Phase.FORWARD, Phase.BACKWARD}))
             return _OriginProbe(would_reach=probe.out_absmax * run.scale, zeros=None, underflow=None) \
                 if probe.found and probe.out_absmax is not None else None
         ref = self._op_inputs(ref_name, None, event)
@@ -102,8 +114,11 @@ class _Comparer:
 
     def _op_inputs(self, name: str, scale: float | None, event: Event) -> _OpProbe:
         probe = _OpProbe(self.target.model, event.module, event.op, event.occurrence)
-        with probe:
-            self._step(name, scale=scale, instrument=False, tolerate_errors=True, observe=probe.observe)
+        emulate = self.emulate and _RUNS[name][0] is Precision.FP16
+        with (emulate_fp16_matmuls() if emulate else contextlib.nullcontext()), probe:   # emulation outermost
+            run_step(self.target, self.reached, _RUNS[name][0], where=self.loaded.where, grad_scaler=_RUNS[name][1],
+                     scale=scale if _RUNS[name][1] else None, restore_after=False, update=self.update,
+                     instrument=False, tolerate_errors=True, observe=probe.observe)
         return probe
 
 
@@ -148,7 +163,18 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
     loaded = entry_or_loaded if isinstance(entry_or_loaded, Loaded) else load_target(entry_or_loaded)
     target = loaded.target
     reached, notes = _reach(loaded, at, cfg, progress, policy)
-    cmp = _Comparer(loaded, reached, ccfg, progress)
+    try:
+        return _compare(loaded, reached, notes, cfg, names, k, progress)
+    finally:
+        reached.restore()   # the reruns do not restore after themselves: once, here
+
+
+def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, names: tuple[str, ...], k: int,
+             progress: Callable[[str], None]) -> Comparison:
+    from ..replay import storage_policy
+    ccfg = cfg.compare
+    target = loaded.target
+    cmp = _Comparer(loaded, reached, ccfg, progress, storage=storage_policy(cfg.replay))
     device = cmp.device
     notes = list(reached.notes) + notes
 
@@ -170,7 +196,7 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
             runs["fp64"] = run
     if "fp64" in skipped:
         ref_name = "fp32"
-        cmp.store = _Store(budget=cmp.store.budget)
+        cmp.store = _Store(budget=cmp.store.budget, storage=cmp.store.storage)
         notes.append(f"reference is fp32: {skipped['fp64']}")
         runs["fp32"] = cmp.run("fp32", reference=True, tolerate=False)
     for name in names:
