@@ -42,6 +42,7 @@ class RunConfig:
     near_zero: float = 1e-30
     fp16_on_cpu: bool = False
     fidelity_rtol_cuda: float = 1e-3
+    deferred_checks: str = "auto"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +99,7 @@ _CHOICES = {
     ("run", "reference"): ("fp32", "fp64"),
     ("guard", "policy"): ("skip", "raise", "record"),
     ("replay", "snapshot_store"): ("auto", "device", "host", "disk"),
+    ("run", "deferred_checks"): ("auto", "on", "off"),
 }
 
 

@@ -160,8 +160,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     # state needs restoring between reruns
     update = target.step_fn is not None or reached.record is None or _update_suspect(reached) \
         or reached.status is Status.SPIKE
+    deferred = {"auto": None, "on": True, "off": False}[cfg.run.deferred_checks]
     main = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False, phases=phases,
-                    update=update)
+                    update=update, deferred=deferred)
     if main.exc is not None and not raised:
         raise main.exc   # the rerun raised where the replay did not: report the user's error as it is
     comparable: list[tuple[str, StepTrace]] = [(f"instrumented {prec.value}", main)]
@@ -170,7 +171,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         progress(f"the update of step {reached.step} made the weights non-finite: rerunning it with the update "
                  "instrumented")
         upd = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False,
-                       phases=frozenset({Phase.UPDATE}), ratios=False)
+                       phases=frozenset({Phase.UPDATE}), ratios=False, deferred=deferred)
         if upd.trace is not None:
             main.trace.events.extend(upd.trace.events)
         comparable.append((f"update-instrumented {prec.value}", upd))
@@ -202,10 +203,10 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         progress(f"rerunning step {reached.step} in {ref_prec.value} (reference)")
         reference = run_step(target, reached, ref_prec, where=where, probe=probe, tolerate_errors=True,
                              restore_after=False, phases=_FWD_BWD, ratios=False, update=update,
-                             instrument=main.origin is not None)
+                             instrument=main.origin is not None, deferred=deferred)
         if main.origin is None and not reference.finite and not reference.error:
             reference = run_step(target, reached, ref_prec, where=where, tolerate_errors=True, restore_after=False,
-                                 phases=_FWD_BWD, ratios=False, update=update)
+                                 phases=_FWD_BWD, ratios=False, update=update, deferred=deferred)
     traces: dict[str, StepTrace] = {prec.value: main}
     skipped_notes: list[str] = []
     if reference is not None:

@@ -145,6 +145,8 @@ class Trace:
     ops_checked: int = 0
     probe: Probe | None = None
     node_source: tuple[str | None, str | None] | None = None  # (file:line, code) of a node found in a rerun
+    flagged: set[int] = field(default_factory=set)   # deferred mode: ops whose output was non-finite
+    reads: int = 0                                   # device-to-host reads the tracker made
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
@@ -233,9 +235,10 @@ class _OriginMode(TorchDispatchMode):
             return out
         mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
         pre = None
-        if mutated:
+        if mutated and tr.checks(tr.trace.ops_checked + 1):   # before the op overwrites them
             with torch._C.DisableTorchFunction():
                 pre = _kinds(mutated)
+                tr.reads += 1
         out = func(*args, **kwargs)
         tr._check(func, args, kwargs, out, mutated, pre)
         return out
@@ -252,8 +255,18 @@ class OriginTracker:
                  optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None, *,
                  low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
                  ranges: bool = True, source_of_node: int | None = None, context: int = 6,
-                 phases: frozenset[Phase] | None = None):
+                 phases: frozenset[Phase] | None = None, deferred: bool = False,
+                 only: frozenset[int] | None = None):
         self.model = model
+        # deferred: each checked op's finiteness stays on the device (a sum), read once per phase; the
+        # ops found non-finite are then checked one by one in a second pass with ``only`` = their
+        # indices (no device sync for the others). Without either: every op is checked as it runs.
+        self.deferred = deferred
+        self.only = only
+        self.flagged: set[int] = set()        # deferred: indices of ops with a non-finite output
+        self.reads = 0                        # device-to-host reads the tracker made
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._bad_storages: set[int] = set()  # only-mode: outputs of flagged ops (their users propagate)
         # the phases whose ops are checked one by one (others run at full speed)
         self.phases = frozenset(phases) if phases is not None else frozenset(Phase)
         self.optimizers = [] if optimizers is None else (
@@ -302,7 +315,23 @@ class OriginTracker:
             h.remove()
         self._modes, self._handles = [], []
         self._flush_recent()
+        self._flush_pending()
         self._finish_ranges()
+        self.trace.flagged = set(self.flagged)
+        self.trace.reads = self.reads
+
+    def checks(self, index: int) -> bool:
+        """Whether op number ``index`` is checked as it runs (with device syncs)."""
+        return not self.deferred and (self.only is None or index in self.only)
+
+    def _flush_pending(self) -> None:
+        """Deferred mode: read the pending per-op sums in one go; note the ops that went non-finite."""
+        if not self._pending:
+            return
+        values = torch.stack([v for _, v in self._pending]).tolist()
+        self.reads += 1
+        self.flagged.update(i for (i, _), v in zip(self._pending, values) if not math.isfinite(v))
+        self._pending = []
 
     def set_phase(self, phase: Phase) -> None:
         if phase is Phase.FORWARD and not self._started:   # node numbers count from the step's start
@@ -311,6 +340,8 @@ class OriginTracker:
             self.base_seq = _next_sequence_nr()
         elif phase is not Phase.FORWARD and self.phase is Phase.FORWARD:
             self._flush_recent()
+        if phase is not self.phase:
+            self._flush_pending()
         self.phase = phase
         self.active = phase in self.phases
         if phase is Phase.UPDATE and self.optimizers and self.active:
@@ -398,6 +429,7 @@ class OriginTracker:
         if not self._module_stats:
             return
         rows = torch.stack([m.stats.cpu() for m in self._module_stats]).tolist()
+        self.reads += 1
         for m, row in zip(self._module_stats, rows):
             self.trace.ranges.append(ModuleRange(
                 module=m.name, dtype=m.dtype, absmax=row[0], min_nonzero=None if math.isinf(row[1]) else row[1],
@@ -486,8 +518,29 @@ class OriginTracker:
             probe.found = True
             probe.inputs = [_tensor_stats(t) for t in _floats((args, kwargs))]
             probe.out_absmax = max(_tensor_stats(t).absmax for t in outs)
-        if len(trace.events) >= MAX_EVENTS or not _any_nonfinite(outs):
+            self.reads += 2
+        if len(trace.events) >= MAX_EVENTS:
             return
+        if self.deferred:
+            total = _sum(outs[0]).double()
+            for t in outs[1:]:
+                total = total + _sum(t).double().to(total.device)
+            self._pending.append((trace.ops_checked, total))
+            return
+        if self.only is not None:
+            if trace.ops_checked not in self.only:
+                return
+            ins = _floats((args, kwargs))
+            propagated = any(t.untyped_storage().data_ptr() in self._bad_storages for t in ins
+                             if not any(t is m for m in mutated))
+            self._bad_storages.update(t.untyped_storage().data_ptr() for t in outs)
+            if propagated:
+                return   # fed by an op already found non-finite: a propagator (no sync spent on it)
+        else:
+            self.reads += 1
+            if not _any_nonfinite(outs):
+                return
+        self.reads += 4   # the kinds of outputs and inputs, the count, the samples
         out_kinds = _kinds(outs)
         if not any(any(k) for k in out_kinds):
             return  # the sum overflowed, the values are finite

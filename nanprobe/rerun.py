@@ -145,7 +145,8 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
              grad_scaler: bool | None = None, scale: float | None = None, tolerate_errors: bool = False,
              observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None,
              restore_after: bool = True, phases: frozenset[Phase] | None = None,
-             ratios: bool = True, update: bool = True, emulate_fp16: bool = False) -> StepTrace:
+             ratios: bool = True, update: bool = True, emulate_fp16: bool = False,
+             deferred: bool | None = None, _mode: dict | None = None) -> StepTrace:
     """Restore the state before the step and run it once; with ``restore_after`` (the default) restore
     again, so the user's objects end unchanged. A caller that reruns several times passes False and
     restores once at the end (``Reached.restore``): each restore copies the whole state.
@@ -158,7 +159,41 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     weights stay as they are, so the next restore only writes back what a forward pass changes;
     the record then carries the replayed step's own update ratio. ``emulate_fp16``: CPU fp16 matmuls
     as fp16-rounded inputs times float32 arithmetic (see precision.emulate_fp16_matmuls).
+    ``deferred`` (default: on CUDA): the tracker reads each op's finiteness back once per phase, not
+    per op; when an op went non-finite, a second pass checks those ops one by one.
     """
+    loop = reached.loop
+    if instrument and (loop.device_type == "cuda" if deferred is None else deferred):
+        first = run_step(target, reached, precision, where=where, instrument=True, probe=probe,
+                         fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+                         param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
+                         tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
+                         restore_after=restore_after, phases=phases, ratios=ratios, update=update,
+                         emulate_fp16=emulate_fp16, deferred=False, _mode={"deferred": True})
+        flagged = first.trace.flagged if first.trace is not None else set()
+        if not flagged:
+            return first
+        second = run_step(target, reached, precision, where=where, instrument=True, probe=probe,
+                          fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+                          param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
+                          tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
+                          restore_after=restore_after, phases=phases, ratios=ratios, update=update,
+                          emulate_fp16=emulate_fp16, deferred=False, _mode={"only": frozenset(flagged)})
+        if second.trace is not None:
+            second.trace.reads += first.trace.reads
+        return second
+    return _run_step(target, reached, precision, where=where, instrument=instrument, probe=probe,
+                     fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+                     param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
+                     tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
+                     restore_after=restore_after, phases=phases, ratios=ratios, update=update,
+                     emulate_fp16=emulate_fp16, mode=_mode)
+
+
+def _run_step(target, reached: Reached, precision: Precision, *, where: str, instrument: bool,
+              probe: Probe | None, fp32_module, max_grad_norm, lr_scale, param_overrides, grad_scaler, scale,
+              tolerate_errors: bool, observe, source_of_node, restore_after: bool, phases, ratios: bool,
+              update: bool, emulate_fp16: bool, mode: dict | None) -> StepTrace:
     loop = reached.loop
     snapshot = reached.snapshot
     skip_update = not update and loop.target.step_fn is None and reached.record is not None
@@ -168,7 +203,7 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
                             low_dtype=precision.dtype if precision.low else reached.precision.dtype
                             if reached.precision.low else torch.float16,
                             batch_size=sizes[0] if sizes else None, probe=probe,
-                            source_of_node=source_of_node, phases=phases) if instrument else None
+                            source_of_node=source_of_node, phases=phases, **(mode or {})) if instrument else None
 
     def on_micro(j: int) -> None:
         if tracker is not None:
