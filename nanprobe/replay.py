@@ -129,7 +129,7 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str,
              outcome.grad_norm.float().reshape(1).to(device) if outcome.grad_norm is not None else nan,
              outcome.found_inf.float().reshape(1).to(device) if outcome.found_inf is not None else nan,
              outcome.scale.float().reshape(1).to(device) if outcome.scale is not None else nan]
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named = [(n, p.detach()) for n, p in loop.named_params]
     params = [p for _, p in named]
     n = len(params)
     if params:

@@ -109,6 +109,9 @@ class Loop:
         own = [("GradScaler", self.scaler)] if self.scaler is not None and not target.user_scalers else []
         self.objects: Objects = objects_of(target, own_scalers=own)
         self.updates_in_step = 0
+        # the parameter lists, walked once (a module tree walk costs ~1 ms on a 60-module model)
+        self.named_params: list[tuple[str, torch.nn.Parameter]] = list(target.model.named_parameters())
+        self.params = [p for _, p in self.named_params]
 
     @property
     def form(self) -> str:
@@ -218,9 +221,10 @@ def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         for _, opt in opts:
             call_user("scaler.unscale_(optimizer)", scaler.unscale_, opt)
         found = _found_inf(scaler, opts)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    with_grad = [p for p in loop.params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
     if clip and grads:
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, clip)
     elif grads:
         grad_norm = torch.nn.utils.get_total_norm(grads)
     else:

@@ -10,7 +10,11 @@ AdamW, warmup-cosine LR, clipping) it runs, each in a fresh process:
                 right after each replayed step (interleaved: the same machine load), then the
                 whole diagnosis of step N, then the user's step, nanprobe's plain rerun and its
                 instrumented rerun of step N, interleaved;
-* ``compare`` — ``nanprobe compare-precisions --at N``, timed, with the user's fp32 step beside it.
+* ``compare`` — ``nanprobe compare-precisions --at N``, timed, with the user's fp32 step beside it;
+* ``capsule_write`` / ``capsule_read`` — the capsule of step N, its bytes per parameter, and the
+                peak RSS of ``nanprobe run --capsule`` on it, alone in its process.
+
+Beside them, the user's step under ``torch.autograd.detect_anomaly()``, the usual first move.
 
 and prints ratios: replay per step / plain step, diagnosis in plain steps, instrumented rerun /
 plain step, compare-precisions in fp32 steps, and peak RSS of ``run`` / peak RSS of the plain loop
@@ -30,7 +34,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +121,7 @@ def child_run(size: str, at: int, device: str) -> dict:
     from nanprobe.replay import reach
     from nanprobe.rerun import run_step
 
+    import torch
     cfg = load_config()
     user_t, twin_t = _build(size, device), _build(size, device)
     t = _target(size, device)
@@ -150,9 +157,15 @@ def child_run(size: str, at: int, device: str) -> dict:
     # when the step before stopped before its update), no restore after
     from nanprobe.report import Phase
     fwd_bwd = frozenset({Phase.FORWARD, Phase.BACKWARD})
+    anomaly = []
     for _ in range(4):
         reached.restore()
         plain_steps(step_t, 1, device, user)
+        reached.restore()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autograd.detect_anomaly():      # what people reach for today, on the user's own step
+                plain_steps(step_t, 1, device, anomaly)
         reached.restore()
         timed(lambda: run_step(t, reached, reached.precision, where="bench", instrument=False, restore_after=False,
                                update=False, ratios=False), plain)
@@ -164,6 +177,7 @@ def child_run(size: str, at: int, device: str) -> dict:
             "noise_ratio": statistics.median(twin_times[k] / user_times[k] for k in ks),
             "diagnosis": t_diag, "user_step": statistics.median(user[1:]),
             "rerun_plain": statistics.median(plain[1:]), "rerun_instrumented": statistics.median(inst[1:]),
+            "anomaly": statistics.median(anomaly[1:]),
             "status": report.status.value}
 
 
@@ -178,6 +192,35 @@ def child_peak(size: str, at: int, device: str) -> dict:
     loaded = Loaded(target=t, entry="bench", module="", function="", path=None, lineno=None)
     diagnose_target(loaded, at=at, config=cfg)
     return {"peak_mb": _peak_mb()}
+
+
+def child_capsule_write(size: str, at: int, device: str) -> dict:
+    """The capsule of step N (as smoke writes it), into $NANPROBE_BENCH_DIR: its size and this process's peak."""
+    from nanprobe import capsule
+    from nanprobe.config import load_config
+    from nanprobe.replay import reach
+
+    t = _target(size, device)
+    reached = reach(t, at=at, precision=t.precision, cfg=load_config().replay, where="bench")
+    path = capsule.write(capsule.build_from_reached(reached, entry="bench"), os.environ["NANPROBE_BENCH_DIR"])
+    params = sum(p.numel() for p in t.model.parameters())
+    return {"path": str(path), "bytes": os.path.getsize(path), "bytes_per_param": os.path.getsize(path) / params,
+            "peak_mb": _peak_mb()}
+
+
+def child_capsule_read(size: str, at: int, device: str) -> dict:
+    """``nanprobe run --capsule`` on that capsule, alone in its process: the peak RSS."""
+    from nanprobe.capsule import list_capsules, reach_from_capsule
+    from nanprobe.config import load_config
+    from nanprobe.diagnose import diagnose_target
+    from nanprobe.entry import Loaded
+
+    t = _target(size, device)
+    loaded = Loaded(target=t, entry="bench", module="", function="", path=None, lineno=None)
+    (path,) = list_capsules(os.environ["NANPROBE_BENCH_DIR"])
+    reached = reach_from_capsule(path, loaded, load_config())
+    report = diagnose_target(loaded, reached=reached, config=load_config())
+    return {"peak_mb": _peak_mb(), "status": report.status.value, "fidelity": report.fidelity.reproduced}
 
 
 def child_compare(size: str, at: int, device: str) -> dict:
@@ -220,8 +263,8 @@ def child_compare(size: str, at: int, device: str) -> dict:
     return {"compare": t_cmp, "fp32_step": statistics.median(fp32)}
 
 
-def _child(mode: str, size: str, at: int, device: str, threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+def _child(mode: str, size: str, at: int, device: str, threads: int, extra_env: dict | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **(extra_env or {}))
     cmd = [sys.executable, __file__, "--child", mode, "--sizes", size, "--at", str(at), "--device", device,
            "--threads", str(threads)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -243,7 +286,8 @@ def main() -> None:
         import torch
         torch.set_num_threads(args.threads)
         sys.path.insert(0, str(ROOT))
-        fn = {"plain": child_plain, "run": child_run, "peak": child_peak, "compare": child_compare}[args.child]
+        fn = {"plain": child_plain, "run": child_run, "peak": child_peak, "compare": child_compare,
+              "capsule_write": child_capsule_write, "capsule_read": child_capsule_read}[args.child]
         print(json.dumps(fn(args.sizes, args.at, args.device)))
         return
     print(f"device {args.device}, {args.threads} thread(s), --at {args.at}; ratios against the user's own plain step")
@@ -253,24 +297,32 @@ def main() -> None:
         peak = _child("peak", size, args.at, args.device, args.threads)
         r = _child("run", size, args.at, args.device, args.threads)
         c = None if args.no_compare else _child("compare", size, args.at, args.device, args.threads)
+        with tempfile.TemporaryDirectory() as folder:
+            w = _child("capsule_write", size, args.at, args.device, args.threads, {"NANPROBE_BENCH_DIR": folder})
+            rd = _child("capsule_read", size, args.at, args.device, args.threads, {"NANPROBE_BENCH_DIR": folder})
         user = r["user_step"]
         row = {"size": size, "params": p["params"], "user_step_s": round(user, 4),
                "replay_per_step": round(r["replay_ratio"], 3), "user_vs_user": round(r["noise_ratio"], 3),
                "diagnosis_in_steps": round(r["diagnosis"] / user, 2),
                "instrumented_rerun": round(r["rerun_instrumented"] / user, 3),
                "plain_rerun": round(r["rerun_plain"] / user, 3),
+               "detect_anomaly": round(r["anomaly"] / user, 3),
                "peak_rss_ratio": round(peak["peak_mb"] / p["peak_mb"], 3),
                "peak_mb": (round(p["peak_mb"]), round(peak["peak_mb"])),
+               "capsule_bytes_per_param": round(w["bytes_per_param"], 2),
+               "capsule_read_peak_ratio": round(rd["peak_mb"] / p["peak_mb"], 3),
+               "capsule_fidelity": rd["fidelity"],
                "compare_in_fp32_steps": round(c["compare"] / c["fp32_step"], 1) if c else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\nsize     params   replay/step (user/user)  diagnosis(steps)  instr.rerun  peak RSS (plain -> run)"
-          "  compare(fp32 steps)")
+          "  compare(fp32 steps)  capsule B/param, read peak")
     for r in rows:
         print(f"{r['size']:>5} {r['params'] / 1e6:8.1f}M {r['replay_per_step'] or 0:10.3f}x ({r['user_vs_user']:.3f}x)"
               f" {r['diagnosis_in_steps']:14.2f}"
               f" {r['instrumented_rerun']:11.3f}x   {r['peak_mb'][0]:6d} -> {r['peak_mb'][1]:6d} MB ({r['peak_rss_ratio']:.3f}x)"
-              f" {r['compare_in_fp32_steps'] if r['compare_in_fp32_steps'] is not None else '-':>12}")
+              f" {r['compare_in_fp32_steps'] if r['compare_in_fp32_steps'] is not None else '-':>12}"
+              f"   {r['capsule_bytes_per_param']:.1f}, {r['capsule_read_peak_ratio']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ load) with the RNG states at the step's start and after each micro-batch was fet
 the step carries between calls, the step number and its place in the data, the precision, the
 recent loss / grad-norm / LR history, versions, and a model fingerprint (parameter names and
 shapes) that tells a capsule from another model apart.
+
+Size: the state's bytes plus the step's batches: about 12 bytes per parameter for fp32 weights with
+Adam/AdamW (4 for the weights, 8 for the two moments), 4 with plain SGD, 8 with SGD + momentum.
+Writing streams each tensor from its own memory (CUDA tensors through host memory one at a time);
+reading maps the file, so neither holds a second full copy of the state.
 """
 
 from .codec import decode_batch, encode_batch, fingerprint, rng_from_safe, rng_to_safe, safe_value, unwrap

@@ -189,7 +189,9 @@ def read(path: str | os.PathLike) -> Capsule:
     if not p.is_file():
         raise CapsuleError(f"capsule {where} not found", where, "Give the path the guard printed")
     try:
-        data = torch.load(p, map_location="cpu", weights_only=True)
+        # memory-mapped: the tensors are read from the file as they are copied into the model and the
+        # optimizer, never held as a second full copy of the state (copy-on-write: the file never changes)
+        data = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - every way a file can fail to load
         text = str(exc)
         if "Weights only load failed" in text or "Unsupported global" in text or "unsupported" in text.lower() \
