@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -11,13 +12,51 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+try:   # typer >= 0.17 vendors click as typer._click; older releases use the click package
+    from typer import _click as click
+except ImportError:  # pragma: no cover - depends on the typer release
+    import click
 
 from . import __version__
 from .config import Config, load_config
-from .errors import EXIT_INTERNAL, NanprobeError, UsageError
+from .errors import EXIT_INTERNAL, EXIT_USAGE, NanprobeError, UsageError
 from .report import dumps
 
-app = typer.Typer(name="nanprobe", pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False,
+EXIT_INTERRUPTED = 130
+
+
+class _OneLineErrors(TyperGroup):
+    """click's usage errors (unknown option or command, missing or bad argument) as one line, exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+                              **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click.exceptions.UsageError as err:
+            if type(err).__name__ == "NoArgsIsHelpError" and err.ctx is not None:   # plain `nanprobe`
+                click.echo(err.ctx.get_help())
+                code = EXIT_USAGE
+            else:
+                path = err.ctx.command_path if err.ctx is not None else "nanprobe"
+                message = err.format_message().strip().rstrip(".")
+                print(f"nanprobe: error: {message[:1].lower() + message[1:]}. Try '{path} --help'.", file=sys.stderr)
+                code = EXIT_USAGE
+        except click.exceptions.ClickException as err:
+            print(f"nanprobe: error: {err.format_message().strip().rstrip('.')}.", file=sys.stderr)
+            code = err.exit_code
+        except typer.Abort:
+            print("nanprobe: interrupted.", file=sys.stderr)
+            code = EXIT_INTERRUPTED
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(name="nanprobe", cls=_OneLineErrors, pretty_exceptions_enable=False, no_args_is_help=True,
+                  add_completion=False,
                   help="Find where and why a PyTorch training step produced NaN/Inf, and what to change.",
                   context_settings={"help_option_names": ["-h", "--help"]})
 
@@ -61,8 +100,11 @@ def handles_errors(fn):
         _debug = bool(kwargs.get("debug"))
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        except (typer.Exit, typer.Abort):
             raise
+        except KeyboardInterrupt:
+            print("nanprobe: interrupted (nothing was written).", file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except NanprobeError as err:
             if _debug:
                 traceback.print_exc()
@@ -99,6 +141,16 @@ def emit_json(data: dict, json_out: str | None) -> None:
         raise UsageError(f"cannot write {json_out}: {exc.strerror}", "--json", "Give a writable path") from None
 
 
+@contextlib.contextmanager
+def quiet_stdout(json_out: str | None):
+    """Under ``--json -`` stdout carries only the JSON: what the user's code prints goes to stderr."""
+    if json_out == "-":
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    else:
+        yield
+
+
 def progress_printer(enabled: bool):
     if not enabled:
         return None
@@ -127,8 +179,10 @@ def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, j
     cfg = config_from(config)
     progress = progress_printer(json_out != "-" and sys.stderr.isatty())
     try:
-        report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps, on_progress=progress,
-                          policy=autocast_policy, capsule=None if capsule is None else str(capsule), device=device)
+        with quiet_stdout(json_out):
+            report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps,
+                              on_progress=progress, policy=autocast_policy,
+                              capsule=None if capsule is None else str(capsule), device=device)
     finally:
         if progress:
             progress.stop()
@@ -160,8 +214,9 @@ def smoke_cmd(entry: EntryArg, steps: StepsOpt = 20, precision: PrecisionOpt = N
     cfg = config_from(config)
     progress = progress_printer(json_out != "-" and sys.stderr.isatty())
     try:
-        result = smoke(entry, steps=steps, precision=precision, config=cfg, capsule_dir=capsule_dir,
-                       on_progress=progress)
+        with quiet_stdout(json_out):
+            result = smoke(entry, steps=steps, precision=precision, config=cfg, capsule_dir=capsule_dir,
+                           on_progress=progress)
     except NanprobeError as err:
         if junit is not None:
             write_junit(junit, None, entry=entry, error=err.message)
@@ -204,7 +259,8 @@ def compare_cmd(entry: EntryArg, at: AtOpt = None, precisions: PrecisionsOpt = N
     cfg = config_from(config)
     progress = progress_printer(json_out != "-" and sys.stderr.isatty())
     try:
-        result = compare_precisions(entry, at=at, precisions=names, top=top, config=cfg, on_progress=progress)
+        with quiet_stdout(json_out):
+            result = compare_precisions(entry, at=at, precisions=names, top=top, config=cfg, on_progress=progress)
     finally:
         if progress:
             progress.stop()
@@ -265,8 +321,9 @@ def scan_data_cmd(entry: EntryArg, limit: LimitOpt = None, precision: PrecisionO
     cfg = config_from(config)
     progress = _scan_progress(json_out != "-" and sys.stderr.isatty() and not _in_ci())
     try:
-        result = scan_data(entry, limit=limit, precision=precision, num_classes=num_classes, config=cfg,
-                           on_progress=progress)
+        with quiet_stdout(json_out):
+            result = scan_data(entry, limit=limit, precision=precision, num_classes=num_classes, config=cfg,
+                               on_progress=progress)
     finally:
         if progress:
             progress.stop()

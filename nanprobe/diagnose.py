@@ -21,6 +21,7 @@ from .precision import Precision, describe_device, device_of, limits, parse_prec
 from .replay import NoBadStep, Reached, reach
 from .report import Cause, Origin, Phase, PrecisionResult, Report, Status
 from .rerun import StepTrace, resolve_backward_source, run_step
+from .state import borrows_globals
 from .target import Target
 
 
@@ -118,6 +119,7 @@ def _position(reached: Reached) -> dict[str, Any] | None:
             "micro_batches": len(reached.recorded.items)}
 
 
+@borrows_globals
 def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | Precision | None = None,
                     config: Config | None = None, max_steps: int | None = None, reached: Reached | None = None,
                     command: str = "run", on_progress: Callable[[str], None] | None = None,
@@ -134,8 +136,9 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     if reached is None:
         progress("replaying")
         try:
+            of = f" of {at}" if at is not None else ""
             reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=loaded.where, max_steps=max_steps,
-                            on_progress=lambda s: progress(f"replayed step {s}"), policy=policy)
+                            on_progress=lambda s: progress(f"replayed step {s}{of}"), policy=policy)
         except NoBadStep as done:
             return _healthy(loaded, done, prec, device, cfg, command, policy)
     try:
@@ -311,6 +314,7 @@ def _event_json(e: Event) -> dict[str, Any]:
     return out
 
 
+@borrows_globals
 def diagnose(entry: str, *, at: int | None = None, precision: str | None = None, config: Config | None = None,
              max_steps: int | None = None, on_progress: Callable[[str], None] | None = None,
              policy: str = "native", capsule: str | None = None, device: str | None = None) -> Report:

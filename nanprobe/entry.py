@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .errors import EntryError, UserCodeError
+from .errors import EntryError, UserCodeError, UserExit
 from .target import Target, call_user, to_device, validate
 
 
@@ -67,8 +67,10 @@ def _import_file(ref: str, entry: str) -> ModuleType:
         spec.loader.exec_module(module)
     except BaseException as exc:
         sys.modules.pop(name, None)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, KeyboardInterrupt):
             raise
+        if isinstance(exc, SystemExit):
+            raise UserExit(f"importing {ref}", exc) from None
         raise UserCodeError(f"importing {ref}", exc) from exc
     return module
 
@@ -85,6 +87,8 @@ def _import_module(ref: str, entry: str) -> ModuleType:
                          "Check the name and that its package is importable (pip install -e . or run from its folder)")
     try:
         return importlib.import_module(ref)
+    except SystemExit as exc:
+        raise UserExit(f"importing {ref}", exc) from None
     except Exception as exc:  # noqa: BLE001 - their import failed inside their code
         raise UserCodeError(f"importing {ref}", exc) from exc
 

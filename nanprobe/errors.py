@@ -84,6 +84,23 @@ class UserCodeError(NanprobeError):
                          fix or "Fix the error in your code, or rerun with --debug for the full traceback")
 
 
+class UserExit(NanprobeError):
+    """The user's code called ``sys.exit()`` (raised SystemExit) while nanprobe ran it: never a verdict."""
+
+    def __init__(self, during: str, exc: BaseException, step: int | None = None):
+        self.during, self.exc, self.step = during, exc, step
+        self.path, self.lineno = user_frame(exc)
+        code = getattr(exc, "code", None)
+        where = f"{self.path}:{self.lineno}" if self.path else None
+        at = f" during step {step}" if step is not None else ""
+        super().__init__(f"your code called sys.exit({code!r}) in {during}{at}", where,
+                         "nanprobe runs your code in its own process: let the entry function return, and raise an "
+                         "exception instead of exiting")
+
+    def at_step(self, step: int) -> UserExit:
+        return self if self.step is not None else UserExit(self.during, self.exc, step)
+
+
 class DataLoadError(UserCodeError):
     """The user's data pipeline raised while nanprobe fetched a batch (not a training step's error)."""
 

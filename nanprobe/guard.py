@@ -513,11 +513,27 @@ class Guard:
         self.capsules.append(path)
         while len(self.capsules) > limit:   # keep the first capsule (the first bad step) and the newest
             old = self.capsules.pop(1)
-            try:
-                old.unlink()
-            except OSError:
-                pass
+            if self._own_capsule(old):
+                try:
+                    old.unlink()
+                except OSError:
+                    pass
         return path
+
+    def _own_capsule(self, path: Path) -> bool:
+        """A file the guard may delete: in its capsule folder, named as nanprobe names capsules, and a
+        capsule by its contents. Anything else (an edited or foreign checkpoint entry) is left alone."""
+        try:
+            p = Path(path).resolve()
+        except (OSError, RuntimeError):
+            return False
+        if p.parent != self.capsule_dir or not _capsule.io.NAME.match(p.name) or not p.is_file():
+            return False
+        try:
+            _capsule.read(p)
+        except NanprobeError:
+            return False
+        return True
 
     def _command(self, path: Path) -> str:
         try:
@@ -551,7 +567,14 @@ class Guard:
             self._add(None, float(norm))
         self._history.clear()
         self._history.extend(dict(h) for h in state.get("history", []))
-        self.capsules = [Path(p) for p in state.get("capsules", [])]
+        capsules = []
+        for p in state.get("capsules", []):
+            if isinstance(p, (str, os.PathLike)) and self._own_capsule(Path(p)):
+                capsules.append(Path(p).resolve())
+            else:
+                logger.warning("nanprobe.Guard: ignoring %r from the loaded state: not a capsule this guard wrote "
+                               "in %s (it will never be deleted)", p, self.capsule_dir)
+        self.capsules = capsules
 
 
 def _median(values) -> float:

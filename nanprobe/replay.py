@@ -296,6 +296,9 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
     if max_steps is not None and max_steps < 1:
         raise UsageError(f"--max-steps {max_steps} is not a positive number of steps", "--max-steps",
                          "Give N >= 1")
+    if at is not None and max_steps is not None and at >= max_steps:
+        raise UsageError(f"--at {at} is beyond --max-steps {max_steps}", "--at",
+                         "Raise --max-steps, or give a step below it")
     r = Replayer(target, precision=precision, cfg=cfg, where=where, policy=policy)
     start, reached_by = 0, "replay from step 0"
     notes: list[str] = []

@@ -79,23 +79,17 @@ def _float64(loop: Loop, snapshot: Snapshot, update: bool):
     from .state import _versions
 
     model = loop.target.model
-    saved = [(t, t.dtype) for t in [*model.parameters(), *model.buffers()]
+    # each tensor's own data (its storage) is kept and put back: views the user holds keep tracking it
+    saved = [(t, t.data) for t in [*model.parameters(), *model.buffers()]
              if t.is_floating_point() and t.dtype != torch.float64]
     default = torch.get_default_dtype()
-
-    def cast(t: torch.Tensor, dtype: torch.dtype) -> None:
-        grad = t.grad if t.is_leaf else None
-        if grad is not None:
-            t.grad = None
-        t.data = t.data.to(dtype)
-        if grad is not None:
-            t.grad = grad.to(dtype)
 
     snapshot.restore(loop.objects, partial_ok=True)   # the exact values, before widening them
     try:
         with torch.no_grad():
-            for t, _ in saved:
-                cast(t, torch.float64)
+            for t, data in saved:
+                t.grad = None if t.is_leaf else t.grad
+                t.data = data.to(torch.float64)
         torch.set_default_dtype(torch.float64)
         if update:   # the optimizer state follows the parameters' dtype (torch's own rule)
             snapshot.restore(loop.objects)
@@ -103,10 +97,14 @@ def _float64(loop: Loop, snapshot: Snapshot, update: bool):
     finally:
         torch.set_default_dtype(default)
         with torch.no_grad():
-            for t, dtype in saved:
-                cast(t, dtype)
-        if not update:
-            snapshot.clean = _versions(loop.objects)   # parameters exact again; buffers restored next time
+            for t, data in saved:
+                if t.is_leaf:
+                    t.grad = None
+                t.data = data          # the original storage, untouched by the float64 step
+        if update:
+            snapshot.restore(loop.objects)   # the optimizer state back to its dtypes
+        else:
+            snapshot.clean = _versions(loop.objects)
 
 
 def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | None):

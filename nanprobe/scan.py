@@ -39,8 +39,9 @@ from .config import Config, ScanConfig, load_config
 from .entry import Loaded, load_target
 from .errors import EXIT_FOUND, EXIT_OK, UsageError, UserCodeError
 from .precision import Precision, describe_device, device_of, limits, parse_precision
-from .feed import DataEnd, Stream
+from .feed import DataEnd, Stream, epoch_length
 from .report import SCHEMA, Status, _num
+from .state import borrows_globals
 from .target import Target
 
 _POOL_CHUNK = 256     # subsampled values a contributing batch adds to a key's reference pool
@@ -525,6 +526,7 @@ def _params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@borrows_globals
 def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = None,
               precision: str | Precision | None = None, num_classes: int | None = None,
               config: Config | None = None,
@@ -559,6 +561,10 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     if is_callable and limit is None:
         limit = scfg.callable_batches
         notes.append(f"batches is a callable: scanned batches(0) .. batches({limit - 1}) at most "
+                     "(scan.callable_batches); pass --limit to change")
+    elif limit is None and epoch_length(target.batches) is None:   # it may never end
+        limit = scfg.callable_batches
+        notes.append(f"batches has no length (it may be endless): scanned its first {limit} batches at most "
                      "(scan.callable_batches); pass --limit to change")
     total = _total(target.batches, limit)
     if total is not None and target.epochs > 1 and not is_callable:
@@ -619,7 +625,8 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     complete = not at_limit or (not is_callable and _exhausted(target, step))
     scanner.finish()
     if step == 0:
-        notes.append("batches yielded no batch")
+        raise UsageError("batches yielded no batch: nothing was checked", loaded.where,
+                         "Give the target at least one batch")
     device = device or device_of(target.model)
     return ScanResult(entry=loaded.entry, device=describe_device(device), precision=prec.value,
                       batches_scanned=step, complete=complete, problems=tuple(scanner.problems),

@@ -28,6 +28,7 @@ from .errors import UsageError
 from .precision import Precision, describe_device, device_of, parse_precision
 from .replay import NoBadStep, reach
 from .report import Report, Status
+from .state import borrows_globals
 from .target import Target, call_user, validate
 
 CHECKS = ("entry", "finite", "spike")
@@ -159,6 +160,7 @@ def _smoke_replay_config(cfg: Config) -> ReplayConfig:
                                max_scaler_skips=g.max_scaler_skips, history=g.history)
 
 
+@borrows_globals
 def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = None, config: Config | None = None,
           capsule_dir: str | os.PathLike | None = None,
           on_progress: Callable[[str], None] | None = None) -> SmokeResult:

@@ -12,7 +12,9 @@ state tensors and ``param_groups`` dicts never changes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import random
 import sys
 import types
@@ -657,4 +659,62 @@ def restore_flags(flags: list[tuple[torch.nn.Module, bool]]) -> None:
 
 
 __all__ = ["Snapshot", "Objects", "objects_of", "RngTracker", "capture_rng", "set_rng", "module_tensor_attrs",
-           "capture_user_state", "user_state_names", "restore_flags", "apply_carried"]
+           "capture_user_state", "user_state_names", "restore_flags", "apply_carried", "borrowed_globals",
+           "borrows_globals"]
+
+
+# -- the caller's global state ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def borrowed_globals():
+    """Run a library call inside the caller's process without leaving a trace in its global state.
+
+    Saved on entry and put back on exit (errors and interrupts too): the RNG streams (torch, every
+    CUDA device, Python ``random``, numpy), the thread count, the default dtype, grad mode, anomaly
+    mode (and its check_nan), autocast (CPU and CUDA), deterministic-algorithm flags, TF32 and cuDNN
+    flags, float32 matmul precision. Inside, grad mode is on and anomaly mode off (nanprobe turns
+    anomaly mode on itself where it needs a node's forward stack): a caller debugging with
+    ``detect_anomaly`` or under ``torch.no_grad()`` gets the same diagnosis as anyone else.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    saved = {
+        "rng": capture_rng("cuda" if cuda else "cpu", host=True),
+        "threads": torch.get_num_threads(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "autocast": {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")},
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        "tf32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    try:
+        torch.set_grad_enabled(True)
+        torch.set_anomaly_enabled(False)
+        for d in ("cpu", "cuda"):
+            torch.set_autocast_enabled(d, False)
+        yield
+    finally:
+        set_rng(saved["rng"])
+        torch.set_num_threads(saved["threads"])
+        torch.set_default_dtype(saved["dtype"])
+        torch.set_grad_enabled(saved["grad"])
+        torch.set_anomaly_enabled(*saved["anomaly"])
+        for d, (enabled, dtype) in saved["autocast"].items():
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+        torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32"]
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved["cudnn"]
+        torch.set_float32_matmul_precision(saved["matmul_precision"])
+
+
+def borrows_globals(fn):
+    """Decorator: the library call runs inside :func:`borrowed_globals`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with borrowed_globals():
+            return fn(*args, **kwargs)
+    return wrapper

@@ -27,7 +27,7 @@ import torch
 from torch.amp.autocast_mode import autocast as _autocast_cls
 
 from .batch import iter_tensors
-from .errors import TargetError
+from .errors import TargetError, UserExit
 from .feed import LiveFeed, MicroBatches, ReplayFeed
 from .precision import Precision, autocast_context, device_of, numeric_mode, policy_context
 from .report import Phase
@@ -123,9 +123,12 @@ class Loop:
         o = options or RunOptions(precision=self.precision, policy=self.policy)
         feed.on_micro = o.on_micro
         self.updates_in_step = 0
-        if self.target.step_fn is not None:
-            return _run_user_step(self, feed, o)
-        return _run_canonical(self, feed, o)
+        try:
+            if self.target.step_fn is not None:
+                return _run_user_step(self, feed, o)
+            return _run_canonical(self, feed, o)
+        except UserExit as exc:
+            raise exc.at_step(feed.step) from None
 
 
 # -- fix overrides on the optimizer update ----------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .batch import map_tensors
-from .errors import TargetError, UsageError, UserCodeError
+from .errors import NanprobeError, TargetError, UsageError, UserCodeError, UserExit
 from .precision import Precision, parse_precision
 
 
@@ -238,9 +238,11 @@ def call_user(during: str, fn: Callable, *args):
     """Call the user's code; their exceptions become one line pointing at their file:line."""
     try:
         return fn(*args)
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         raise
-    except TargetError:
+    except SystemExit as exc:
+        raise UserExit(during, exc) from None
+    except NanprobeError:
         raise
     except Exception as exc:  # noqa: BLE001 - any error in user code is reported, not ours
         raise UserCodeError(during, exc) from exc

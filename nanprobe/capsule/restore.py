@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,6 +73,41 @@ def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
         notes.append(f"the capsule holds {len(data['scalers'])} GradScaler state(s), the loop has {len(scalers)}")
 
 
+def _version(text: Any) -> tuple[int, ...]:
+    """"2.13.0+cpu" -> (2, 13, 0); unreadable -> ()."""
+    parts = []
+    for piece in str(text).split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def version_notes(cap: Capsule) -> list[str]:
+    """Warnings for a capsule written by a newer nanprobe or torch than the one replaying it."""
+    from .. import __version__
+
+    notes = []
+    for name, running in (("nanprobe", __version__), ("torch", torch.__version__)):
+        theirs = cap.versions.get(name)
+        if theirs and _version(theirs) > _version(running):
+            notes.append(f"warning: the capsule was written by {name} {theirs}, newer than this {running}: "
+                         f"upgrade {name} to replay it exactly as it ran")
+    return notes
+
+
+def _field(cap: Capsule, name: str, fn):
+    """Decode one capsule field; any failure is that field's damage (exit 2 naming it)."""
+    try:
+        return fn()
+    except CapsuleError as err:
+        what = err.what if repr(name) in err.what else f"capsule field {name!r} is damaged: {err.what}"
+        raise CapsuleError(what, cap.path, err.fix) from None
+    except Exception:  # noqa: BLE001 - a damaged field can fail in any way
+        raise CapsuleError(f"capsule field {name!r} is damaged", cap.path, "Use another capsule") from None
+
+
 def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
                        precision: str | Precision | None = None, found_for: int | None = None,
                        policy: str | None = None):
@@ -86,7 +122,7 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     model = target.model
     check_model(cap, model)
     data = cap.data
-    notes: list[str] = []
+    notes: list[str] = version_notes(cap)
     device = device_of(model)
     prec = parse_precision(precision) if precision is not None else cap.precision
     if prec is not cap.precision:
@@ -108,10 +144,12 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     loop = Loop(target, loaded.where, prec, policy or "native")
     _load_states(cap, target, loop, notes)
     carried = data.get("carried")
-    if isinstance(carried, Mapping) and carried:
-        apply_carried(dict(carried), loop.objects, notes)
-    rng = rng_from_safe(data["rng"], device.type)
-    micro_rng = [rng_from_safe(r, device.type) for r in data["micro_rng"]]
+    if carried and not isinstance(carried, Mapping):
+        raise CapsuleError("capsule field 'carried' is damaged", cap.path, "Use another capsule")
+    if carried:
+        _field(cap, "carried", lambda: apply_carried(dict(carried), loop.objects, notes))
+    rng = _field(cap, "rng", lambda: rng_from_safe(data["rng"], device.type))
+    micro_rng = _field(cap, "micro_rng", lambda: [rng_from_safe(r, device.type) for r in data["micro_rng"]])
     snapshot = loop.objects.take(rng=rng)
     saved_threads = data.get("threads")
     if isinstance(saved_threads, int) and device.type == "cpu" and cap.device.startswith("cpu") \
@@ -123,8 +161,9 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
         policy = "cuda"
         notes.append("CUDA's autocast policy is emulated on CPU, as in the run that wrote the capsule")
     pos = data.get("position") if isinstance(data.get("position"), Mapping) else None
-    position = Position(step=cap.step, epoch=pos.get("epoch"), index=int(pos.get("index") or 0),
-                        items=tuple(pos.get("items") or ())) if pos else None
+    position = _field(cap, "position", lambda: Position(
+        step=cap.step, epoch=None if pos.get("epoch") is None else int(pos["epoch"]), index=int(pos.get("index") or 0),
+        items=tuple(int(i) for i in pos.get("items") or ()))) if pos else None
     if data.get("batch_missing") or not data["micro_batches"]:
         stream = Stream(target)
         stream.skip(cap.step)
@@ -134,12 +173,12 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
                      f"using the entrypoint's batch for step {cap.step}")
         snapshot.restore(loop.objects)   # fetching may have drawn from the RNG: back to the capsule's state
     else:
-        items = [decode_batch(e, device, notes) for e in data["micro_batches"]]
+        items = _field(cap, "micro_batches", lambda: [decode_batch(e, device, notes) for e in data["micro_batches"]])
         recorded = Recorded(step=cap.step, items=items, rng_after=micro_rng, position=position)
     if data.get("dropped"):
         notes.append(f"not stored in the capsule: {', '.join(map(str, data['dropped'][:3]))}")
-    record = to_record(dict(data.get("record") or {}, step=cap.step))
-    history = [to_record(h) for h in data["history"] if isinstance(h, Mapping)]
+    record = _field(cap, "record", lambda: to_record(dict(data.get("record") or {}, step=cap.step)))
+    history = _field(cap, "history", lambda: [to_record(h) for h in data["history"] if isinstance(h, Mapping)])
     how = f"capsule {cap.path}" + (f" (found for --at {found_for})" if found_for is not None else "")
     if cap.world_size > 1:
         how += f" (rank {cap.rank} of {cap.world_size})"

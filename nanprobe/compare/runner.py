@@ -19,6 +19,7 @@ from ..precision import Precision, describe_device, device_of, emulate_fp16_matm
 from ..replay import NoBadStep, Reached, reach
 from ..report import Phase, Status
 from ..rerun import run_step
+from ..state import borrows_globals
 from .measure import (ROOT, _bits, _Capture, _dtype_max, _input_underflow, _Measured, _OpProbe, _OriginProbe, _pct,
                       _pow2, _Run, _Store)
 from .records import (_PREFERENCE, _RUNS, CHOICES, Comparison, LayerRow, LayerStat, PrecisionRun, Ranked, ScalerResult,
@@ -143,6 +144,7 @@ def _reach(loaded: Loaded, at: int | None, cfg: Config, progress: Callable[[str]
 
 # -- the library call ------------------------------------------------------------------------------------
 
+@borrows_globals
 def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
                        precisions: str | Iterable[str] | None = None, top: int | None = None,
                        config: Config | None = None, on_progress: Callable[[str], None] | None = None,
