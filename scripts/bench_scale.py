@@ -9,7 +9,9 @@ AdamW, warmup-cosine LR, clipping) it runs, each in a fresh process:
 * ``run``     — ``nanprobe run --at N`` with the user's own loop on an identical model stepped
                 right after each replayed step (interleaved: the same machine load), then the
                 whole diagnosis of step N, then the user's step, nanprobe's plain rerun and its
-                instrumented rerun of step N, interleaved;
+                instrumented rerun of step N as the diagnosis runs them (forward and backward
+                checked op by op, no optimizer update: the replayed update was finite), and the
+                worst case (the update too, every phase checked), interleaved;
 * ``compare`` — ``nanprobe compare-precisions --at N``, timed, with the user's fp32 step beside it;
 * ``capsule_write`` / ``capsule_read`` — the capsule of step N, its bytes per parameter, and the
                 peak RSS of ``nanprobe run --capsule`` on it, alone in its process.
@@ -157,7 +159,7 @@ def child_run(size: str, at: int, device: str) -> dict:
     # when the step before stopped before its update), no restore after
     from nanprobe.report import Phase
     fwd_bwd = frozenset({Phase.FORWARD, Phase.BACKWARD})
-    anomaly = []
+    anomaly, full = [], []
     for _ in range(4):
         reached.restore()
         plain_steps(step_t, 1, device, user)
@@ -171,13 +173,16 @@ def child_run(size: str, at: int, device: str) -> dict:
                                update=False, ratios=False), plain)
         timed(lambda: run_step(t, reached, reached.precision, where="bench", instrument=True, restore_after=False,
                                update=False, phases=fwd_bwd), inst)
+        # the worst case: the update rerun too, every phase checked op by op (an update-born failure)
+        timed(lambda: run_step(t, reached, reached.precision, where="bench", instrument=True, restore_after=False,
+                               update=True), full)
     reached.restore()
     ks = range(2, len(replay_times))   # steps 0-1 allocate the optimizer state and warm the allocator
     return {"replay_ratio": statistics.median(replay_times[k] / user_times[k] for k in ks),
             "noise_ratio": statistics.median(twin_times[k] / user_times[k] for k in ks),
             "diagnosis": t_diag, "user_step": statistics.median(user[1:]),
             "rerun_plain": statistics.median(plain[1:]), "rerun_instrumented": statistics.median(inst[1:]),
-            "anomaly": statistics.median(anomaly[1:]),
+            "anomaly": statistics.median(anomaly[1:]), "rerun_full": statistics.median(full[1:]),
             "status": report.status.value}
 
 
@@ -306,6 +311,7 @@ def main() -> None:
                "diagnosis_in_steps": round(r["diagnosis"] / user, 2),
                "instrumented_rerun": round(r["rerun_instrumented"] / user, 3),
                "plain_rerun": round(r["rerun_plain"] / user, 3),
+               "instrumented_rerun_all_phases": round(r["rerun_full"] / user, 3),
                "detect_anomaly": round(r["anomaly"] / user, 3),
                "peak_rss_ratio": round(peak["peak_mb"] / p["peak_mb"], 3),
                "peak_mb": (round(p["peak_mb"]), round(peak["peak_mb"])),
