@@ -15,6 +15,10 @@ EXAMPLES = ROOT / "examples"
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 os.environ.setdefault("COLUMNS", "120")
+# One intra-op thread for the whole suite: on a 2-core CI machine two OpenMP threads plus the
+# DataLoader workers some tests start make small ops 100x slower (threads descheduled at barriers).
+# Every test compares results within this one setting.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
