@@ -109,15 +109,34 @@ def handles_errors(fn):
             if _debug:
                 traceback.print_exc()
             print(f"nanprobe: error: {err.message}", file=sys.stderr)
+            _error_json(fn.__name__, kwargs, err.message, err.exit_code)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:  # noqa: BLE001 - a bug in nanprobe
             if _debug:
                 traceback.print_exc()
-            print(f"nanprobe: internal error: {type(err).__name__}: {err}. This is a bug in nanprobe; rerun with "
-                  "--debug and report the output.", file=sys.stderr)
+            line = f"internal error: {type(err).__name__}: {err}. This is a bug in nanprobe; rerun with --debug " \
+                   "and report the output"
+            print(f"nanprobe: {line}.", file=sys.stderr)
+            _error_json(fn.__name__, kwargs, line, EXIT_INTERNAL)
             raise typer.Exit(EXIT_INTERNAL) from None
 
     return wrapper
+
+
+_COMMANDS = {"run_cmd": "run", "smoke_cmd": "smoke", "compare_cmd": "compare-precisions", "scan_data_cmd": "scan-data"}
+
+
+def _error_json(fn_name: str, kwargs: dict, message: str, code: int) -> None:
+    """With --json, a CI system still gets a report: status "error", the message, the exit code."""
+    out = kwargs.get("json_out")
+    if not out:
+        return
+    data = {"schema": 1, "nanprobe": __version__, "command": _COMMANDS.get(fn_name, fn_name),
+            "entry": kwargs.get("entry"), "status": "error", "error": message, "exit_code": code, "findings": []}
+    try:
+        emit_json(data, out)
+    except NanprobeError:
+        pass   # the --json path itself is the problem: the one line above says enough
 
 
 def config_from(path: Path | None) -> Config:

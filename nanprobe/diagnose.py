@@ -108,6 +108,10 @@ def check_data(reached: Reached, target: Target, prec: Precision, cfg: Config) -
         if len(items) > 1:
             problems = [dataclasses.replace(p, micro=j, message=f"micro-batch {j}: {p.message}") for p in problems]
         out += problems
+    rec = reached.record
+    if reached.error is None and rec is not None and rec.loss is not None and math.isfinite(rec.loss):
+        # the step took these labels without raising and gave a finite loss: the loss ignores them
+        out = [dataclasses.replace(p, level="warning") if p.code == "label_negative" else p for p in out]
     return out
 
 
@@ -167,7 +171,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     main = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False, phases=phases,
                     update=update, deferred=deferred)
     if main.exc is not None and not raised:
-        raise main.exc   # the rerun raised where the replay did not: report the user's error as it is
+        if reached.record is not None:
+            raise main.exc   # the rerun raised where the replay did not: report the user's error as it is
+        reached.error, raised = main.exc, True   # e.g. a capsule of a step that raised: this is that raise
     comparable: list[tuple[str, StepTrace]] = [(f"instrumented {prec.value}", main)]
     if Phase.UPDATE not in phases and main.record is not None and not main.record.finite \
             and not (main.trace and main.trace.events):

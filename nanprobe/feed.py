@@ -160,6 +160,17 @@ class Stream:
             raise ValueError(f"the stream is at step {self.next_step}, not {step}")
         return LiveFeed(self, step)
 
+    def close(self) -> None:
+        """Let go of the current epoch's iterator now (a DataLoader's workers shut down here)."""
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - the user's loader, already done with
+                pass
+        self._ended = True
+
     def skip(self, step: int, on_step: Callable[[int], None] | None = None) -> None:
         """Consume the items of every step before ``step`` without training (after a user checkpoint)."""
         while self.next_step < step:

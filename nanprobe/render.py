@@ -67,6 +67,8 @@ def _verdict(r: Report) -> Panel:
         lines.add_row("step", g(r.step) if r.step is not None else "all replayed steps")
     else:
         what = {"nonfinite": "non-finite values", "spike": "loss/gradient spike", "error": "error"}[r.status.value]
+        if r.error and o is None:
+            what = "your code raised"
         born = f" born in {o.phase.value}" if o else ""
         title, style = f"step {r.step}: {what}{born}", "red"
         pos = _position(r)
@@ -164,11 +166,11 @@ def _context(r: Report) -> Table:
 def _history(r: Report) -> Table:
     t = Table(title="Recent steps", title_justify="left")
     epochs = any(h.epoch is not None for h in r.history)
-    for col in ("step",) + (("epoch",) if epochs else ()) + ("loss", "grad norm", "lr", "|dw|/|w|", "note"):
+    for col in ("step",) + (("epoch", "of epoch") if epochs else ()) + ("loss", "grad norm", "lr", "|dw|/|w|", "note"):
         t.add_column(col, justify="right" if col != "note" else "left")
     for h in r.history[-6:]:
         note = "skipped (GradScaler)" if h.skipped else ("" if h.finite else "[red]non-finite[/]")
-        epoch = (f"{h.epoch}.{h.index}" if h.epoch is not None else "-",) if epochs else ()
+        epoch = (str(h.epoch), str(h.index)) if epochs and h.epoch is not None else (("-", "-") if epochs else ())
         t.add_row(str(h.step), *epoch, g(h.loss), g(h.grad_norm), g(h.lr), g(h.update_ratio), note)
     return t
 

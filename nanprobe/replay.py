@@ -314,10 +314,13 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
         except DataEnd:
             raise UsageError(f"batches ran out at step {r.stream.next_step}, before the checkpoint's step {start}",
                              where, "Give batches that reach the checkpoint's step") from None
-    if at is not None:
-        return _reach_at(r, at, start, reached_by, notes, on_progress)
-    limit = max_steps if max_steps is not None else cfg.max_steps
-    return _reach_first_bad(r, start, limit, reached_by, notes, on_progress, keep_last)
+    try:
+        if at is not None:
+            return _reach_at(r, at, start, reached_by, notes, on_progress)
+        limit = max_steps if max_steps is not None else cfg.max_steps
+        return _reach_first_bad(r, start, limit, reached_by, notes, on_progress, keep_last)
+    finally:
+        r.stream.close()
 
 
 def _open(r: Replayer, k: int):

@@ -575,23 +575,32 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     device = None
     scanned = 0
     at_limit = False
+    draws = False           # does fetching a batch draw from the global torch RNG?
     while True:
         if limit is not None and scanned >= limit:
             at_limit = True
             break
+        rng_before = torch.get_rng_state() if not draws and scanned < 64 else None
         try:
-            feed = stream.open(stream.next_step)
+            feed = stream.open(stream.next_step)   # fetches the step's first batch
         except DataEnd:
             break
+        # an epoch's first fetch draws in training too (iter() of a DataLoader: its base seed), at the
+        # same point; only draws on later fetches interleave with what training draws
+        if rng_before is not None and feed.position.index != 0 and not torch.equal(rng_before, torch.get_rng_state()):
+            draws = True
         k = feed.step
         j = 0
         while True:
             if limit is not None and scanned >= limit:
                 at_limit = True
                 break
+            rng_before = torch.get_rng_state() if not draws and j > 0 and scanned < 64 else None
             batch = feed.get(j)
             if batch is None:
                 break
+            if rng_before is not None and not torch.equal(rng_before, torch.get_rng_state()):
+                draws = True
             if scanned == 0:
                 device = next((t.device for _, t in iter_tensors(batch)), None)
                 if num_classes is None and scfg.infer_num_classes and _has_labels(batch) \
@@ -618,7 +627,12 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     step = scanned
     if stream.end_note and is_callable:
         notes.append(stream.end_note)
-    if target.epochs > 1 and not is_callable and _shuffles_from_global_rng(target.batches):
+    if draws:
+        notes.append("fetching batches draws from the global torch RNG (random sampling, a shuffle seed or random "
+                     "transforms in this process): training interleaves those draws with its own (dropout, noise), "
+                     "so past the first draws scan-data's batches can differ from training's; `nanprobe run` "
+                     "replays training's exact batches")
+    elif target.epochs > 1 and not is_callable and _shuffles_from_global_rng(target.batches):
         notes.append("epochs after the first are shuffled from the global RNG state that training leaves; "
                      "scan-data does not train, so their batch order can differ from training (nanprobe run "
                      "replays the exact order)")

@@ -516,7 +516,10 @@ class Snapshot:
 
 
 def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
-    """A GradScaler's state without a device sync (its scale stays a tensor)."""
+    """A GradScaler's state without a device sync (its scale stays a tensor). A disabled one (created
+    with enabled=False, as nanoGPT does on fp32/bf16) has no state."""
+    if not scaler.is_enabled():
+        return {"enabled": False}
     return {"enabled": scaler._enabled,
             "scale": None if getattr(scaler, "_scale", None) is None else scaler._scale.detach().clone(),
             "growth_tracker": None if getattr(scaler, "_growth_tracker", None) is None
@@ -526,6 +529,8 @@ def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
 
 
 def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:
+    if not saved["enabled"]:
+        return
     scaler._enabled = saved["enabled"]
     (scaler._init_scale, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
      scaler._init_growth_tracker) = saved["params"]

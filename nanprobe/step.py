@@ -475,8 +475,8 @@ class _StepWatch:
 
 def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
     t = loop.target
-    scalers = [s for _, s in t.user_scalers]
-    before = [s._scale.detach().clone() if s._scale is not None else None for s in scalers]
+    scalers = [s for _, s in t.user_scalers if s.is_enabled()]   # a disabled GradScaler scales nothing
+    before = [s._scale.detach().clone() if getattr(s, "_scale", None) is not None else None for s in scalers]
     watch = _StepWatch(loop, o)
     with watch:
         batch = feed.get(0) if t.accumulate == 1 else MicroBatches(feed)
@@ -494,13 +494,15 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         v = v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
         v = v.to(device)
         total = v if total is None else total + v
+    if not watch.norms and watch.pending_clip:   # clipped, then updated without an optimizer (hand-written SGD)
+        watch.norms = [n.float() for n in watch.pending_clip]
     grad_norm = None
     if watch.norms:
         grad_norm = watch.norms[0] if len(watch.norms) == 1 else torch.stack(
             [n.to(watch.norms[0].device) for n in watch.norms]).norm()
     found = scale = None
     for s, b in zip(scalers, before):
-        if not s.is_enabled() or s._scale is None:
+        if getattr(s, "_scale", None) is None:
             continue
         start = b if b is not None else torch.full_like(s._scale, s._init_scale)
         dropped = (s._scale < start).float().reshape(())

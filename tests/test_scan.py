@@ -291,7 +291,8 @@ def test_cli_json_stdout_is_only_json():
     assert data["step"] == 1 and data["errors"] == 2 and data["complete"] is False
     assert data["problems"] == [
         {"code": "label_negative", "level": "error", "step": 1, "key": "batch[1]", "count": 1, "samples": [2],
-         "value": -1.0, "message": "batch[1] holds 1 negative label(s) (e.g. -1) other than the ignore index -100"},
+         "value": -1.0, "message": "batch[1] holds 1 negative label(s) (e.g. -1) other than the ignore index -100; "
+                                   'if your loss ignores -1, say so: "ignore_index": -1 in the target'},
         {"code": "label_out_of_range", "level": "error", "step": 4, "key": "batch[1]", "count": 1, "samples": [6],
          "value": 5.0, "message": "batch[1] holds 1 label(s) >= num_classes 3 (e.g. 5)"}]
     assert set(data["summary"]) == {"batch[0]", "batch[1]"}

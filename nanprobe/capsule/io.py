@@ -97,7 +97,8 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         "model": OrderedDict((k, v.detach()) for k, v in module.state_dict().items()),
         "optimizers": [safe_value(o.state_dict(), dropped, f"optimizer[{i}]") for i, o in enumerate(optimizers)],
         "schedulers": scheds,
-        "scalers": [safe_value(s.state_dict(), dropped, f"scaler[{i}]") for i, s in enumerate(scalers)],
+        "scalers": [safe_value(s.state_dict(), dropped, f"scaler[{i}]") if s.is_enabled() else {}
+                    for i, s in enumerate(scalers)],
         "micro_batches": [encode_batch(b) for b in items],
         "batch_missing": micro_batches is None,
         "rng": rng_to_safe(rng),

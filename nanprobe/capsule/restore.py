@@ -63,7 +63,7 @@ def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
             notes.append(f"{name} state not restored ({type(exc).__name__}); the LR comes from the optimizer state")
     scalers = loop.objects.scalers()
     for (name, scaler), state in zip(scalers, data["scalers"]):
-        if isinstance(state, Mapping) and state:
+        if isinstance(state, Mapping) and state and scaler.is_enabled():
             try:
                 scaler.load_state_dict(dict(state))
             except (KeyError, TypeError, RuntimeError, ValueError) as exc:
