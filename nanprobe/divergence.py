@@ -105,25 +105,35 @@ def band(values: Iterable[float], *, factor: float, z: float, extreme_factor: fl
 
 
 class _Series:
-    """One signal (loss or gradient norm): its window, its band, the current run of elevated steps."""
+    """One signal (loss or gradient norm): its window, its band, the current run of elevated steps.
 
-    __slots__ = ("name", "factor", "values", "logs", "first", "band", "run", "run_start")
+    A series whose window holds elevated values that recovered has shown heavy tails: an extreme
+    value there must persist like any other elevated one before it is a spike."""
+
+    __slots__ = ("name", "factor", "values", "logs", "flags", "first", "band", "run", "run_start", "quiet")
 
     def __init__(self, name: str, factor: float, window: int):
         self.name = name
         self.factor = factor
         self.values: deque[float] = deque(maxlen=window)
         self.logs: deque[float] = deque(maxlen=window)   # log of each value (nan where <= 0)
+        self.flags: deque[bool] = deque(maxlen=window)   # each value was elevated when it came
         self.first: list[float] = []        # the first values of the run (the no-history baseline)
         self.band: Band | None = None
         self.run = 0                         # consecutive elevated steps up to the last added one
         self.run_start: int | None = None
+        self.quiet = True                    # no elevated value in the window recovered
 
     def baseline(self) -> float | None:
         pos = [v for v in self.first if v > 0]
         return max(pos) if pos else None
 
+    def recovered(self) -> int:
+        """Elevated values in the window that were followed by a normal one."""
+        return sum(self.flags) - min(self.run, len(self.flags))
+
     def refresh(self, r: Rules) -> None:
+        self.quiet = self.recovered() == 0
         if len(self.values) < r.min_history:
             self.band = None
             return
@@ -143,13 +153,17 @@ class _Series:
             self.first.append(value)
         self.values.append(value)
         self.logs.append(math.log(value) if value > 0 else math.nan)
+        self.flags.append(elevated)
         self.refresh(r)
 
     def cut(self, r: Rules) -> float:
-        """The value above which the next step is a spike (extreme, or completing a persistent run)."""
+        """The value above which the next step is a spike (extreme in a quiet series, or completing
+        a persistent run)."""
         if self.band is None:
             return math.inf
-        return self.band.candidate if self.run + 1 >= r.persist else self.band.extreme
+        if self.run + 1 >= r.persist:
+            return self.band.candidate
+        return self.band.extreme if self.quiet else math.inf
 
     def explain(self, value: float, step: int | None, r: Rules) -> str | None:
         b = self.band
@@ -160,23 +174,25 @@ class _Series:
         spread = f"{(math.log(value) - math.log(b.median)) / b.sigma:.0f} robust sigmas of log" \
             if b.log and b.sigma > 0 and value > 0 else "no spread in the window"
         head = f"{label} spike: {value:.4g} vs running median {b.median:.4g} ({times}; {spread})"
-        if value > b.extreme:
-            return head
         if self.run + 1 >= r.persist:
             since = f" since step {self.run_start}" if self.run and self.run_start is not None else ""
             return (f"{head}; elevated {self.run + 1} steps in a row{since} (above {b.candidate:.4g}): "
                     "it does not recover")
+        if value > b.extreme and self.quiet:
+            return head + "; far outside a window whose earlier values never spiked"
         return None
 
     def state(self) -> dict[str, Any]:
-        return {"values": list(self.values), "first": list(self.first), "run": self.run,
-                "run_start": self.run_start}
+        return {"values": list(self.values), "flags": list(self.flags), "first": list(self.first),
+                "run": self.run, "run_start": self.run_start}
 
     def load(self, state: dict[str, Any], r: Rules) -> None:
         self.values.clear()
         self.values.extend(float(v) for v in state.get("values", []))
         self.logs.clear()
         self.logs.extend(math.log(v) if v > 0 else math.nan for v in self.values)
+        self.flags.clear()
+        self.flags.extend(bool(f) for f in state.get("flags", [False] * len(self.values)))
         self.first = [float(v) for v in state.get("first", [])]
         self.run = int(state.get("run", 0))
         self.run_start = state.get("run_start")
@@ -200,7 +216,7 @@ class Divergence:
     def loss_cut(self) -> float:
         cut = self.loss.cut(self.rules)
         base = self.loss.baseline()
-        if base is not None and self.loss.values:
+        if base is not None and self.loss.band is None:   # no robust band yet: the first losses are the baseline
             cut = min(cut, self.rules.runaway_factor * base)
         return cut
 
@@ -220,7 +236,7 @@ class Divergence:
             if why:
                 return why
             base = self.loss.baseline()
-            if base is not None and loss > r.runaway_factor * base:
+            if base is not None and self.loss.band is None and loss > r.runaway_factor * base:
                 return (f"loss spike: {loss:.4g} is {loss / base:.0f}x the largest of the first losses "
                         f"({base:.4g}): divergence, with no history needed")
         if norm is not None and norm > self.norm_cut():

@@ -43,6 +43,9 @@ _SKIP = {
 
 MAX_EVENTS = 12
 _OP_NAMES: dict[Any, str] = {}
+# Reductions whose -inf output from -inf inputs means an empty set (every entry of the slice was
+# -inf, e.g. an anchor with no positive): an origin, not an intended mask passing through.
+_EMPTY_SET = {aten.logsumexp.default}
 
 
 @dataclass(slots=True)
@@ -88,6 +91,18 @@ class Event:
 
 
 @dataclass(slots=True)
+class Failed:
+    """The op that raised an exception (the user's code raised inside it)."""
+
+    phase: Phase
+    module: str | None
+    op: str
+    source: str | None
+    code: str | None
+    inputs: list[TensorStats]
+
+
+@dataclass(slots=True)
 class Probe:
     """What to record about one specific op call in a reference rerun."""
 
@@ -117,6 +132,7 @@ class Trace:
     ops_checked: int = 0
     probe: Probe | None = None
     node_source: tuple[str | None, str | None] | None = None  # (file:line, code) of a node found in a rerun
+    failed: Failed | None = None  # the op that raised, when the step raised inside an op
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
@@ -203,7 +219,11 @@ class _OriginMode(TorchDispatchMode):
         if mutated:
             with torch._C.DisableTorchFunction():
                 pre = _kinds(mutated)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            tr._failed(func, args, kwargs)
+            raise
         tr._check(func, args, kwargs, out, mutated, pre)
         return out
 
@@ -417,6 +437,22 @@ class OriginTracker:
         return None, None
 
     # -- the check -----------------------------------------------------------------------
+    def _failed(self, func, args, kwargs) -> None:
+        """Note the op that raised (the first one): where the user's step failed, and its inputs."""
+        if self.trace.failed is not None:
+            return
+        self.active = False
+        try:
+            with torch._C.DisableTorchFunction():
+                file, line, code = user_source_frame() if self.phase is Phase.FORWARD else (None, None, None)
+                self.trace.failed = Failed(phase=self.phase, module=self._module_for_op(), op=str(func),
+                                           source=f"{file}:{line}" if file else None, code=code,
+                                           inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
+        except Exception:  # noqa: BLE001 - best effort: the user's own exception is what propagates
+            pass
+        finally:
+            self.active = True
+
     def _check(self, func, args, kwargs, out, mutated, pre) -> None:
         if isinstance(out, torch.Tensor):
             outs = [out] if out.is_floating_point() and out.numel() > 0 else []
@@ -465,6 +501,9 @@ class OriginTracker:
         out_neg = any(k[2] for k in out_kinds)
         born_nan = out_nan and not in_nan
         born_inf = (out_pos or out_neg) and not (in_inf or in_nan)
+        if not (born_nan or born_inf) and func in _EMPTY_SET and out_neg and not out_nan and not in_nan \
+                and not any(k[1] for k in in_kinds):
+            born_inf = True   # -inf = log(sum of nothing): a slice of -inf only, an empty set
         if not (born_nan or born_inf):
             return
         kind = "nan" if born_nan else ("inf" if out_pos and out_neg else ("+inf" if out_pos else "-inf"))
