@@ -22,7 +22,7 @@ class ReplayConfig:
     min_history: int = 8
     loss_spike_factor: float = 10.0
     grad_spike_factor: float = 100.0
-    spike_z: float = 6.0
+    spike_z: float = 3.0
     extreme_factor: float = 100.0
     extreme_z: float = 10.0
     persist_steps: int = 3
@@ -74,7 +74,7 @@ class GuardConfig:
     min_history: int = 8
     loss_spike_factor: float = 10.0
     grad_spike_factor: float = 100.0
-    spike_z: float = 6.0
+    spike_z: float = 3.0
     extreme_factor: float = 100.0
     extreme_z: float = 10.0
     persist_steps: int = 3

@@ -198,7 +198,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
             return None if t.error or not t.applied else t.finite
         progress(f"verifying a fix ({', '.join(overrides) or p.value})")
         t = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True, **overrides)
-        return None if t.error or not t.applied else t.finite
+        # a step GradScaler still skips is not fixed, however finite its loss
+        return None if t.error or not t.applied else t.finite and not (t.record and t.record.skipped)
 
     findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)
     if fid.reproduced is False:

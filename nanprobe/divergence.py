@@ -41,7 +41,7 @@ class Rules:
     min_history: int = 8
     loss_factor: float = 10.0
     grad_factor: float = 100.0
-    z: float = 6.0
+    z: float = 3.0
     extreme_factor: float = 100.0
     extreme_z: float = 10.0
     persist: int = 3

@@ -8,6 +8,7 @@ step with them and marks the fix verified when the step becomes finite.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,8 @@ def _ctc(f: Finding, ev: Evidence) -> Fix | None:
                code="# a target needs input_length >= target_length + (number of repeated neighbours)\n"
                     "loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, zero_infinity=True)\n"
                     "# better, in the dataset: skip utterances whose transcript is too long for the audio\n"
-                    "keep = input_lengths >= target_lengths + repeats(targets)" + _src(ev),
+                    "repeats = (targets[:, 1:] == targets[:, :-1]).sum(1)   # (count within target_lengths if padded)\n"
+                    "keep = input_lengths >= target_lengths + repeats" + _src(ev),
                why="an impossible alignment has probability 0: -log 0 = inf and its gradient is NaN; "
                    "zero_infinity=True gives those samples loss 0 and gradient 0")
 
@@ -323,9 +325,12 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                         f"                           ignore_index={ii}, reduction=\"sum\")\n"
                         f"loss = loss_sum / (labels != {ii}).sum().clamp_min(1)",
                    why="a mean over zero labels is 0/0 = NaN; a count clamped at 1 gives loss 0 instead")
-    bad = [p for p in ev.data if p.code == "label_out_of_range" and p.value is not None]
-    if bad and len({p.value for p in bad}) == 1 and bad[0].value in (255.0, 65535.0, -1.0):
-        void = int(bad[0].value)
+    values = {p.value for p in ev.data if p.code == "label_out_of_range" and p.value is not None}
+    raised = re.search(r"Target (-?\d+) is out of bounds", str(ev.reached.error.exc)) if ev.reached.error else None
+    if raised:
+        values.add(float(raised.group(1)))
+    if len(values) == 1 and next(iter(values)) in (255.0, 65535.0, -1.0):
+        void = int(next(iter(values)))
         return Fix(title=f"Label {void} marks void / unlabelled samples: tell the loss to ignore it",
                    code=f"loss = F.cross_entropy(logits, labels, ignore_index={void})\n"
                         f"# and return \"ignore_index\": {void} from target() so nanprobe checks labels the same way",

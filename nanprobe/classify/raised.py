@@ -74,7 +74,11 @@ def _at(f: Failed | None) -> str:
 
 
 def _first_line(ev: Evidence) -> str:
-    return f"step {ev.reached.step} raised before any NaN existed: {ev.reached.error.message}{_at(_failed(ev))}"
+    err = ev.reached.error
+    what = str(err.exc).strip().splitlines()[0] if str(err.exc).strip() else ""
+    where = f" at {err.path}:{err.lineno}" if err.path and _failed(ev) is None else ""
+    return (f"step {ev.reached.step} raised before any NaN existed: {err.during} raised "
+            f"{type(err.exc).__name__}: {what}{where}{_at(_failed(ev))}")
 
 
 @on_error(r"IndexError: index out of range in self")
@@ -102,11 +106,26 @@ def embedding_index(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT, module=None, op=None)]
 
 
+def holding(batch, value: int) -> tuple[str, list[int]] | None:
+    """The first integer tensor of the batch that holds ``value``: its key path and sample rows."""
+    for key, t in iter_tensors(batch):
+        if t.is_floating_point() or t.dtype == torch.bool or t.numel() == 0 or t.dim() == 0:
+            continue
+        hit = t == value
+        if bool(hit.any()):
+            return key, hit.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:5].tolist()
+    return None
+
+
 @on_error(r"Target (-?\d+) is out of bounds")
 def label_out_of_range(ev: Evidence, m: re.Match[str]) -> list[Finding]:
-    return [finding(Cause.DATA, 0.85, None, [
-        _first_line(ev), f"label {m.group(1)} is not a class of the model's output (and not ignore_index "
-                         f"{ev.target.ignore_index})"], phase=Phase.INPUT, module=None, op=None)]
+    value = int(m.group(1))
+    lines = [_first_line(ev), f"label {value} is not a class of the model's output (and not ignore_index "
+                              f"{ev.target.ignore_index})"]
+    found = holding(ev.reached.batch, value)
+    if found is not None:
+        lines.append(f"{found[0]} holds label {value} (samples {found[1]})")
+    return [finding(Cause.DATA, 0.9 if found else 0.85, None, lines, phase=Phase.INPUT, module=None, op=None)]
 
 
 @on_error(r"all elements of (input|target) should be between 0 and 1")
@@ -114,9 +133,9 @@ def bce_outside_unit_interval(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     if ev.origin is not None:
         return []   # a NaN reached it: the origin explains the step
     f = _failed(ev)
-    lo = min((s.min for s in f.inputs), default=None) if f else None
-    hi = max((s.max for s in f.inputs), default=None) if f else None
     what = m.group(1)
+    stats = f.inputs[0 if what == "input" else 1] if f is not None and len(f.inputs) > (what != "input") else None
+    lo, hi = (stats.min, stats.max) if stats is not None else (None, None)
     rng = f" ranges from {g(lo)} to {g(hi)}" if lo is not None else " is outside [0, 1]"
     lines = [_first_line(ev), f"binary_cross_entropy needs probabilities in [0, 1]; its {what}{rng}"]
     if what == "target":

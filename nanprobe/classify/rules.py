@@ -101,11 +101,12 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     strength = max(lr_strength, up_strength) + (0.15 if lr_strength and up_strength else 0.0)
     # the gradient norm exploding in the steps BEFORE this one (this step's own norm follows its loss)
     norms = [h.grad_norm for h in hist if h.grad_norm is not None and math.isfinite(h.grad_norm)]
-    if len(norms) >= 4 and norms[-1] > 100 * statistics.median(norms[:-1]):
+    if len(norms) >= 4 and norms[-1] > 5 * statistics.median(norms[:-1]):
         clip = ev.target.max_grad_norm
-        lines.append(f"gradient norm grew to {g(norms[-1])} before step {ev.reached.step} (median "
-                     f"{g(statistics.median(norms[:-1]))}), " + (f"clipped at {clip:g}" if clip else "unclipped"))
-        if not clip:
+        grown = norms[-1] / statistics.median(norms[:-1])
+        lines.append(f"gradient norm grew to {g(norms[-1])} before step {ev.reached.step}, {grown:.0f}x its median "
+                     f"{g(statistics.median(norms[:-1]))}, " + (f"clipped at {clip:g}" if clip else "unclipped"))
+        if not clip and grown > 100:
             strength = max(strength, 0.5)
     module = None
     source = ev.reached.update_ratios or ev.main.update_ratios
@@ -207,6 +208,8 @@ def origin_rule(ev: Evidence) -> list[Finding]:
     ref_ok = ev.reference_finite
     probe = ev.probe if ev.probe is not None and ev.probe.found else None
     lines = [origin_line(e)]
+    if (ev.reached.reason or "").startswith("GradScaler"):
+        lines.append(f"replay: {ev.reached.reason}")
     if e.masked:
         lines.append("the non-finite value was masked before the loss (torch.where / masked_fill / relu): the loss "
                      "stays finite but the gradient of the masked branch is NaN")
