@@ -6,17 +6,23 @@ sync), so both decide the same on the same history. The decisions:
 
 - **noise or divergence**: the loss and the gradient norm are each compared with robust
   statistics of a long window (median and MAD of the log, so heavy tails and losses near zero
-  widen the band instead of tripping it). A value above the *candidate* cut is only elevated: it
-  becomes a spike when it stays elevated for ``persist_steps`` steps in a row (divergence does
-  not recover, noise does), or at once when it is above the *extreme* cut (far outside the band).
-- **divergence from step 1** needs no history: a loss ``runaway_factor`` times the largest of the
-  first losses, or (where it was measured) an update |dw|/|w| above ``update_ratio_limit``.
+  widen the band instead of tripping it; a rise must also exceed ``rise_floor`` of the first
+  losses). A value above the *candidate* cut is only elevated: it becomes a spike when it stays
+  elevated for ``persist_steps`` steps in a row (divergence does not recover, noise does), or at
+  once when it is above the *extreme* cut in a *quiet* window (one whose earlier elevated values
+  never recovered: a run that has shown heavy tails must show persistence too).
+- **divergence from step 1** needs no history: before the window has ``min_history`` values, a
+  loss ``runaway_factor`` times the largest of the first losses; and (where it was measured,
+  ``run --at N``) an update |dw|/|w| above ``update_ratio_limit``.
 - **GradScaler**: a skipped step with a finite loss is the scaler's normal back-off while the
-  scale is still at or above ``min_scale`` and within ``max_scale_drop`` of the scale the last
+  scale is still at or above ``min_scale`` and within ``max_scale_drop`` of the scale the current
   run of skips started from after training had worked; a skip below that is a storm (the values
   overflow fp16 even with the scale taken away), as is a run longer than ``max_scaler_skips``.
 
 Cut-offs are computed when a value is added (``add``), so judging a step is a few comparisons.
+What the model cannot see: a one-off NaN gradient that GradScaler skips looks like a scaled
+overflow until the scale falls below ``min_scale``; a lasting shift of the data (a new shard)
+looks like divergence (the classifier then reports ``data`` when LR and updates did not change).
 """
 
 from __future__ import annotations

@@ -139,6 +139,18 @@ def _bce_logits(f: Finding, ev: Evidence) -> Fix | None:
                why="BCE takes probabilities in [0, 1]; the logits version applies the sigmoid inside, in log space")
 
 
+@fix_for(Cause.DOMAIN)
+def _linalg_jitter(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "not_positive_definite":
+        return None
+    return Fix(title="Make the matrix safely positive-definite before factorising it",
+               code="eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)\n"
+                    "L = torch.linalg.cholesky(cov + 1e-5 * eye)        # jitter on the diagonal\n"
+                    "# or factorise in float64: torch.linalg.cholesky(cov.double()).to(cov.dtype)",
+               why="a covariance estimated from few samples (or in low precision) is singular or slightly "
+                   "indefinite; a small diagonal jitter restores positive-definiteness")
+
+
 @fix_for(Cause.OVERFLOW)
 def _fp16_constant(f: Finding, ev: Evidence) -> Fix | None:
     if _kind(ev) != "constant_beyond_dtype":
