@@ -506,8 +506,11 @@ class OriginTracker:
             born_inf = True   # -inf = log(sum of nothing): a slice of -inf only, an empty set
         if not (born_nan or born_inf):
             return
-        kind = "nan" if born_nan else ("inf" if out_pos and out_neg else ("+inf" if out_pos else "-inf"))
-        bad_out = next(t for t, k in zip(outs, out_kinds) if any(k))
+        # the kind of the first output with a non-finite value (an op's scratch outputs, e.g. ctc_loss's
+        # uninitialised log_alpha, must not decide it)
+        bad_out, (b_nan, b_pos, b_neg) = next((t, k) for t, k in zip(outs, out_kinds) if any(k))
+        kind = "nan" if born_nan and b_nan else ("inf" if b_pos and b_neg else ("+inf" if b_pos else
+                                                 "-inf" if b_neg else "nan"))
         nonfinite = int((~torch.isfinite(bad_out)).sum().item())
         samples: tuple[int, ...] = ()
         if self.phase is Phase.FORWARD and self.batch_size and bad_out.dim() >= 1 \

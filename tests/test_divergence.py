@@ -43,6 +43,9 @@ SERIES = {
                                             "3 steps in a row since step 40"),
     "runaway at step 1 (no history)": ([3.9, 390.0, 4e4], None, 1, "first losses"),
     "loss near zero jumps 20x": (_quiet(30, 1.0) + [0.4 ** 6 * 20] + _quiet(10, 0.4 ** 6), None, None, None),
+    # converged from 2.3 to 1e-4; three harder batches at 2e-3: 20x, but 0.1% of where the loss started
+    "converged loss, a harder stretch": ([2.3 * 0.6 ** i for i in range(20)] + _quiet(30, 1e-4, seed=3)[:30:1]
+                                         + [2e-3, 2.2e-3, 1.9e-3] + _quiet(5, 1e-4, seed=4), None, None, None),
     "loss crosses zero": ([0.3, 0.2, 0.1, 0.02, -0.05, 0.01, -0.1, 0.05, -0.02, 0.2, -0.15, 0.03, 0.22, -0.19,
                            0.04, 0.0, 0.1], None, None, None),
     "gradient norm explodes in a quiet run": ([1.0] * 20, [1.0 + 0.01 * (i % 3) for i in range(15)]

@@ -64,8 +64,6 @@ def _rows(e: Event) -> str:
 
 @register_semantics("_ctc_loss", "ctc_loss", "ctcloss")
 def ctc_no_alignment(ev: Evidence, e: Event) -> list[Finding] | None:
-    if e.kind not in ("+inf", "inf") and not e.node:
-        return None
     return [finding(Cause.DATA, 0.93, e, [
         origin_line(e),
         f"ctc_loss = inf means no valid alignment{_rows(e)}: a target longer than its input sequence (counting a "
