@@ -28,6 +28,7 @@ looks like divergence (the classifier then reports ``data`` when LR and updates 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from .config import GuardConfig, ReplayConfig
 from .report import Status, StepRecord
 
 _MAD_SIGMA = 1.4826   # MAD -> standard deviation for a normal distribution
+# A full window's band is recomputed every few values (and at once around elevated values): one
+# value moves a 50-value median/MAD very little, and this runs inside the guard's <= 1% budget.
+REFRESH_EVERY = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,10 +74,18 @@ class Rules:
                    max_scale_drop=cfg.max_scale_drop, max_scaler_skips=cfg.max_scaler_skips)
 
 
-def _median(values: list[float]) -> float:
-    s = sorted(values)
+def _mid(s: list[float]) -> float:
+    """The median of a sorted list."""
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _median_and_mad(s: list[float]) -> tuple[float, float]:
+    """Median and median absolute deviation of a sorted list (the deviations below and above the
+    median are two ascending runs: sorting them is one merge)."""
+    med = _mid(s)
+    i = bisect_left(s, med)
+    return med, _mid(sorted([med - x for x in reversed(s[:i])] + [x - med for x in s[i:]]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,47 +100,73 @@ class Band:
 
 
 def band(values: Iterable[float], *, factor: float, z: float, extreme_factor: float, extreme_z: float,
-         floor: float = 0.0, logs: Iterable[float] | None = None) -> Band:
+         floor: float = 0.0) -> Band:
     """Robust cut-offs over ``values``: median and MAD of log(value) when every value is positive
     (a ratio band: heavy tails and tiny losses widen it), else of the value itself (a loss that
-    crosses zero). A value must also rise more than ``floor`` above the median (absolute units).
-    ``logs``: the values' logs when the caller keeps them."""
-    vals = list(values)
-    if min(vals) > 0:
-        logs = list(logs) if logs is not None else [math.log(v) for v in vals]
-        med = _median(logs)
-        sigma = _MAD_SIGMA * _median([abs(x - med) for x in logs])
+    crosses zero). A value must also rise more than ``floor`` above the median (absolute units)."""
+    vals = sorted(values)
+    log = vals[0] > 0
+    med, sigma, cand, ext = _cuts(sorted(math.log(v) for v in vals) if log else vals, log,
+                                  math.log(max(factor, 1.0)), math.log(max(extreme_factor, 1.0)), factor,
+                                  extreme_factor, z, extreme_z, floor)
+    return Band(median=med, sigma=sigma, log=log, candidate=cand, extreme=ext)
+
+
+def _cuts(s: list[float], log: bool, log_factor: float, log_extreme: float, factor: float, extreme_factor: float,
+          z: float, extreme_z: float, floor: float) -> tuple[float, float, float, float]:
+    """(median, robust sigma, candidate cut, extreme cut) of a sorted window (of logs when ``log``)."""
+    med, mad = _median_and_mad(s)
+    sigma = _MAD_SIGMA * mad
+    if log:
         m = math.exp(med)
-        cand = math.exp(med + max(math.log(max(factor, 1.0)), z * sigma))
-        ext = math.exp(med + max(math.log(max(extreme_factor, 1.0)), extreme_z * sigma))
-        return Band(median=m, sigma=sigma, log=True, candidate=max(cand, m + floor), extreme=max(ext, m + floor))
-    med = _median(vals)
-    sigma = _MAD_SIGMA * _median([abs(x - med) for x in vals])
+        return (m, sigma, max(math.exp(med + max(log_factor, z * sigma)), m + floor),
+                max(math.exp(med + max(log_extreme, extreme_z * sigma)), m + floor))
     scale = max(abs(med), sigma, floor, 1e-12)
-    return Band(median=med, sigma=sigma, log=False,
-                candidate=med + max((factor - 1) * scale, z * sigma, floor),
-                extreme=med + max((extreme_factor - 1) * scale, extreme_z * sigma, floor))
+    return (med, sigma, med + max((factor - 1) * scale, z * sigma, floor),
+            med + max((extreme_factor - 1) * scale, extreme_z * sigma, floor))
 
 
 class _Series:
     """One signal (loss or gradient norm): its window, its band, the current run of elevated steps.
 
     A series whose window holds elevated values that recovered has shown heavy tails: an extreme
-    value there must persist like any other elevated one before it is a spike."""
+    value there must persist like any other elevated one before it is a spike. The window is also
+    kept sorted (values, and logs of the positive ones), so a new band costs one merge, not a sort;
+    the cut-offs are plain floats (this runs once per step inside the guard's budget)."""
 
-    __slots__ = ("name", "factor", "values", "logs", "flags", "first", "band", "run", "run_start", "quiet")
+    __slots__ = ("name", "factor", "r", "log_factor", "log_extreme", "values", "flags", "sorted_vals",
+                 "sorted_logs", "nonpos", "elevated", "first", "floor", "run", "run_start", "quiet", "ready",
+                 "median", "sigma", "log", "candidate", "extreme", "next_cut", "age")
 
-    def __init__(self, name: str, factor: float, window: int):
+    def __init__(self, name: str, factor: float, rules: Rules):
         self.name = name
         self.factor = factor
-        self.values: deque[float] = deque(maxlen=window)
-        self.logs: deque[float] = deque(maxlen=window)   # log of each value (nan where <= 0)
-        self.flags: deque[bool] = deque(maxlen=window)   # each value was elevated when it came
+        self.r = rules
+        self.log_factor = math.log(max(factor, 1.0))
+        self.log_extreme = math.log(max(rules.extreme_factor, 1.0))
+        self.values: deque[float] = deque()
+        self.flags: deque[bool] = deque()    # each value was elevated when it came
+        self.sorted_vals: list[float] = []
+        self.sorted_logs: list[float] = []   # logs of the positive values
+        self.nonpos = 0                      # values <= 0 in the window
+        self.elevated = 0                    # True flags in the window
         self.first: list[float] = []        # the first values of the run (the no-history baseline)
-        self.band: Band | None = None
+        self.floor = 0.0                     # rise_floor x the baseline
         self.run = 0                         # consecutive elevated steps up to the last added one
         self.run_start: int | None = None
         self.quiet = True                    # no elevated value in the window recovered
+        self.ready = False                   # the window has min_history values: the band exists
+        self.median = self.sigma = 0.0
+        self.log = True
+        self.candidate = self.extreme = self.next_cut = math.inf
+        self.age = 0                         # values added since the band was computed
+
+    @property
+    def band(self) -> Band | None:
+        if not self.ready:
+            return None
+        return Band(median=self.median, sigma=self.sigma, log=self.log, candidate=self.candidate,
+                    extreme=self.extreme)
 
     def baseline(self) -> float | None:
         pos = [v for v in self.first if v > 0]
@@ -136,55 +174,77 @@ class _Series:
 
     def recovered(self) -> int:
         """Elevated values in the window that were followed by a normal one."""
-        return sum(self.flags) - min(self.run, len(self.flags))
+        return self.elevated - min(self.run, len(self.flags))
 
-    def refresh(self, r: Rules) -> None:
+    def refresh(self, force: bool = True) -> None:
+        """Recompute the band (when ``force``, when it is ``REFRESH_EVERY`` values old, or when the
+        window is not yet full-grown) and the next step's cut."""
+        r = self.r
         self.quiet = self.recovered() == 0
-        if len(self.values) < r.min_history:
-            self.band = None
+        ready = len(self.values) >= r.min_history
+        if not ready:
+            self.ready = False
+            self.candidate = self.extreme = self.next_cut = math.inf
             return
-        base = self.baseline()
-        self.band = band(self.values, factor=self.factor, z=r.z, extreme_factor=r.extreme_factor,
-                         extreme_z=r.extreme_z, floor=r.rise_floor * base if base else 0.0, logs=self.logs)
+        self.age += 1
+        if force or not self.ready or self.age >= REFRESH_EVERY or len(self.values) < r.window:
+            self.age = 0
+            self.ready = True
+            self.log = self.nonpos == 0
+            self.median, self.sigma, self.candidate, self.extreme = _cuts(
+                self.sorted_logs if self.log else self.sorted_vals, self.log, self.log_factor, self.log_extreme,
+                self.factor, r.extreme_factor, r.z, r.extreme_z, self.floor)
+        # the value above which the next step is a spike: completing a persistent run, or extreme in a
+        # quiet series
+        self.next_cut = self.candidate if self.run + 1 >= r.persist else (self.extreme if self.quiet else math.inf)
 
-    def add(self, value: float, step: int | None, r: Rules) -> None:
-        elevated = self.band is not None and value > self.band.candidate
+    def _push(self, value: float, flag: bool) -> None:
+        if len(self.values) >= self.r.window:
+            old = self.values.popleft()
+            self.elevated -= self.flags.popleft()
+            del self.sorted_vals[bisect_left(self.sorted_vals, old)]
+            if old > 0:
+                del self.sorted_logs[bisect_left(self.sorted_logs, math.log(old))]
+            else:
+                self.nonpos -= 1
+        self.values.append(value)
+        self.flags.append(flag)
+        self.elevated += flag
+        insort(self.sorted_vals, value)
+        if value > 0:
+            insort(self.sorted_logs, math.log(value))
+        else:
+            self.nonpos += 1
+
+    def add(self, value: float, step: int | None) -> None:
+        elevated = value > self.candidate
         if elevated:
             if self.run == 0:
                 self.run_start = step
             self.run += 1
         else:
             self.run, self.run_start = 0, None
-        if len(self.first) < r.baseline_steps:
+        if len(self.first) < self.r.baseline_steps:
             self.first.append(value)
-        self.values.append(value)
-        self.logs.append(math.log(value) if value > 0 else math.nan)
-        self.flags.append(elevated)
-        self.refresh(r)
+            base = self.baseline()
+            self.floor = self.r.rise_floor * base if base else 0.0
+        self._push(value, elevated)
+        self.refresh(force=elevated or (len(self.flags) >= 2 and self.flags[-2]))   # in or just after a run
 
-    def cut(self, r: Rules) -> float:
-        """The value above which the next step is a spike (extreme in a quiet series, or completing
-        a persistent run)."""
-        if self.band is None:
-            return math.inf
-        if self.run + 1 >= r.persist:
-            return self.band.candidate
-        return self.band.extreme if self.quiet else math.inf
-
-    def explain(self, value: float, step: int | None, r: Rules) -> str | None:
-        b = self.band
-        if b is None or value <= b.candidate:
+    def explain(self, value: float, step: int | None) -> str | None:
+        if not self.ready or value <= self.candidate:
             return None
         label = "loss" if self.name == "loss" else "gradient-norm"
-        times = f"{value / b.median:.1f}x" if b.median > 0 else "above"
-        spread = f"{(math.log(value) - math.log(b.median)) / b.sigma:.0f} robust sigmas of log" \
-            if b.log and b.sigma > 0 and value > 0 else "no spread in the window"
-        head = f"{label} spike: {value:.4g} vs running median {b.median:.4g} ({times}; {spread})"
-        if self.run + 1 >= r.persist:
+        med = self.median
+        times = f"{value / med:.1f}x" if med > 0 else "above"
+        spread = f"{(math.log(value) - math.log(med)) / self.sigma:.0f} robust sigmas of log" \
+            if self.log and self.sigma > 0 and value > 0 else "no spread in the window"
+        head = f"{label} spike: {value:.4g} vs running median {med:.4g} ({times}; {spread})"
+        if self.run + 1 >= self.r.persist:
             since = f" since step {self.run_start}" if self.run and self.run_start is not None else ""
-            return (f"{head}; elevated {self.run + 1} steps in a row{since} (above {b.candidate:.4g}): "
+            return (f"{head}; elevated {self.run + 1} steps in a row{since} (above {self.candidate:.4g}): "
                     "it does not recover")
-        if value > b.extreme and self.quiet:
+        if value > self.extreme and self.quiet:
             return head + "; far outside a window whose earlier values never spiked"
         return None
 
@@ -192,17 +252,19 @@ class _Series:
         return {"values": list(self.values), "flags": list(self.flags), "first": list(self.first),
                 "run": self.run, "run_start": self.run_start}
 
-    def load(self, state: dict[str, Any], r: Rules) -> None:
+    def load(self, state: dict[str, Any]) -> None:
         self.values.clear()
-        self.values.extend(float(v) for v in state.get("values", []))
-        self.logs.clear()
-        self.logs.extend(math.log(v) if v > 0 else math.nan for v in self.values)
         self.flags.clear()
-        self.flags.extend(bool(f) for f in state.get("flags", [False] * len(self.values)))
+        self.sorted_vals, self.sorted_logs, self.nonpos, self.elevated = [], [], 0, 0
+        values = [float(v) for v in state.get("values", [])]
+        for v, f in zip(values, state.get("flags", [False] * len(values))):
+            self._push(v, bool(f))
         self.first = [float(v) for v in state.get("first", [])]
+        base = self.baseline()
+        self.floor = self.r.rise_floor * base if base else 0.0
         self.run = int(state.get("run", 0))
         self.run_start = state.get("run_start")
-        self.refresh(r)
+        self.refresh()
 
 
 class Divergence:
@@ -212,22 +274,23 @@ class Divergence:
 
     def __init__(self, rules: Rules):
         self.rules = rules
-        self.loss = _Series("loss", rules.loss_factor, rules.window)
-        self.norm = _Series("grad_norm", rules.grad_factor, rules.window)
+        self.loss = _Series("loss", rules.loss_factor, rules)
+        self.norm = _Series("grad_norm", rules.grad_factor, rules)
         self.skips = 0                 # GradScaler skips in a row
         self.worked = False            # an update was applied at some point (warm-up is over)
         self.anchor: float | None = None   # the scale the current run of skips started from, after warm-up
 
     # -- cut-offs for the next step (the guard's device-side flag uses them) --------------------------
     def loss_cut(self) -> float:
-        cut = self.loss.cut(self.rules)
-        base = self.loss.baseline()
-        if base is not None and self.loss.band is None:   # no robust band yet: the first losses are the baseline
-            cut = min(cut, self.rules.runaway_factor * base)
+        cut = self.loss.next_cut
+        if not self.loss.ready and self.loss.first:   # no robust band yet: the first losses are the baseline
+            base = self.loss.baseline()
+            if base is not None:
+                cut = min(cut, self.rules.runaway_factor * base)
         return cut
 
     def norm_cut(self) -> float:
-        return self.norm.cut(self.rules)
+        return self.norm.next_cut
 
     # -- decisions --------------------------------------------------------------------------------
     def spike(self, loss: float | None, norm: float | None, *, update_ratio: float | None = None,
@@ -238,15 +301,15 @@ class Divergence:
             return (f"update spike: |dw|/|w| = {update_ratio:.3g} in one step (limit {r.update_limit:g}; "
                     "a healthy step moves the weights by about 1e-3 of their norm)")
         if loss is not None and loss > self.loss_cut():
-            why = self.loss.explain(loss, step, r)
+            why = self.loss.explain(loss, step)
             if why:
                 return why
             base = self.loss.baseline()
-            if base is not None and self.loss.band is None and loss > r.runaway_factor * base:
+            if base is not None and not self.loss.ready and loss > r.runaway_factor * base:
                 return (f"loss spike: {loss:.4g} is {loss / base:.0f}x the largest of the first losses "
                         f"({base:.4g}): divergence, with no history needed")
         if norm is not None and norm > self.norm_cut():
-            return self.norm.explain(norm, step, r)
+            return self.norm.explain(norm, step)
         return None
 
     def scaler_skip(self, scale: float | None) -> str | None:
@@ -275,9 +338,9 @@ class Divergence:
     def add(self, loss: float | None, norm: float | None, *, step: int | None = None) -> None:
         """A step that goes into the history (applied, or a GradScaler skip: then ``norm`` is None)."""
         if loss is not None and math.isfinite(loss):
-            self.loss.add(loss, step, self.rules)
+            self.loss.add(loss, step)
         if norm is not None and math.isfinite(norm):
-            self.norm.add(norm, step, self.rules)
+            self.norm.add(norm, step)
 
     # -- state (the guard's state_dict) -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -285,8 +348,8 @@ class Divergence:
                 "anchor": self.anchor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss.load(state.get("loss", {}), self.rules)
-        self.norm.load(state.get("norm", {}), self.rules)
+        self.loss.load(state.get("loss", {}))
+        self.norm.load(state.get("norm", {}))
         self.skips = int(state.get("skips", 0))
         self.worked = bool(state.get("worked", False))
         self.anchor = state.get("anchor")

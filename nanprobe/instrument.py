@@ -516,7 +516,7 @@ class OriginTracker:
         if self.phase is Phase.FORWARD and self.batch_size and bad_out.dim() >= 1 \
                 and bad_out.shape[0] == self.batch_size:
             # a NaN born next to intended -inf (a masked softmax) names the rows with the NaN
-            rows = (torch.isnan(bad_out.detach()) if born_nan else ~torch.isfinite(bad_out.detach())) \
+            rows = (torch.isnan(bad_out.detach()) if kind == "nan" else ~torch.isfinite(bad_out.detach())) \
                 .reshape(bad_out.shape[0], -1).any(1)
             samples = tuple(int(i) for i in rows.nonzero().flatten()[:8].tolist())
         source = code = None
