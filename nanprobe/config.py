@@ -18,11 +18,21 @@ PRECISION_NAMES = ("fp64", "fp32", "tf32", "bf16", "fp16")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplayConfig:
     max_steps: int = 10000
-    spike_window: int = 20
-    min_history: int = 5
+    spike_window: int = 50
+    min_history: int = 8
     loss_spike_factor: float = 10.0
     grad_spike_factor: float = 100.0
-    max_scaler_skips: int = 8
+    spike_z: float = 3.0
+    extreme_factor: float = 100.0
+    extreme_z: float = 10.0
+    persist_steps: int = 3
+    runaway_factor: float = 30.0
+    baseline_steps: int = 3
+    rise_floor: float = 0.05
+    update_ratio_limit: float = 1.0
+    min_scale: float = 1.0
+    max_scale_drop: float = 1024.0
+    max_scaler_skips: int = 64
     history: int = 16
     snapshot_every: int = 50
     ratio_steps: int = 1
@@ -38,6 +48,7 @@ class RunConfig:
     verify_fixes: bool = True
     context_modules: int = 5
     update_ratio_limit: float = 1.0
+    update_ratio_high: float = 0.05
     lr_jump_factor: float = 5.0
     near_zero: float = 1e-30
     fp16_on_cpu: bool = False
@@ -64,13 +75,22 @@ class GuardConfig:
     check_every: int = 1
     policy: str = "skip"
     window: int = 50
-    min_history: int = 10
+    min_history: int = 8
     loss_spike_factor: float = 10.0
     grad_spike_factor: float = 100.0
+    spike_z: float = 3.0
+    extreme_factor: float = 100.0
+    extreme_z: float = 10.0
+    persist_steps: int = 3
+    runaway_factor: float = 30.0
+    baseline_steps: int = 3
+    rise_floor: float = 0.05
+    min_scale: float = 1.0
+    max_scale_drop: float = 1024.0
     max_consecutive_skips: int = 5
     capsule_dir: str = "nanprobe-capsules"
     max_capsules: int = 10
-    max_scaler_skips: int = 8
+    max_scaler_skips: int = 64
     history: int = 16
     rng_states: str = "auto"
 

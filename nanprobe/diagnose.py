@@ -11,7 +11,7 @@ import torch
 
 from . import fidelity
 from .checks import DataProblem, check_batch
-from .classify import Evidence, classify
+from .classify import Evidence, classify, explains, scaler_skip_note
 from .config import Config, load_config
 from .entry import Loaded, load_target
 from .errors import UsageError, UserCodeError
@@ -196,7 +196,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         second = run_step(target, reached, prec, where=where, instrument=False, tolerate_errors=True,
                           restore_after=False, ratios=False, update=update)
         fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda, again=second)
-    evidence_found = bool(main.trace and main.trace.events) or any(p.level == "error" for p in data)
+    evidence_found = bool(main.trace and main.trace.events) or any(p.level == "error" for p in data) \
+        or explains(reached.error)
     if raised and not evidence_found:
         err = reached.error
         pos = reached.position.describe() if reached.position else f"step {reached.step}"
@@ -247,7 +248,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         in_update = any(k in overrides for k in ("max_grad_norm", "lr_scale", "param_overrides"))
         t = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True, restore_after=False,
                      ratios=False, update=update or in_update, **overrides)
-        return None if t.error or not t.applied else t.finite
+        # a step GradScaler still skips is not fixed, however finite its loss
+        return None if t.error or not t.applied else t.finite and not (t.record and t.record.skipped)
 
     findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)
     if fid.reproduced is False:
@@ -257,12 +259,13 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                                    "(see fidelity)",)) for f in findings]
         findings.sort(key=lambda f: -f.confidence)
     status = reached.status
-    if status is Status.FINITE and (main.trace and main.trace.events or not main.finite):
+    skip_note = scaler_skip_note(ev)   # GradScaler's normal skip: the scale overflowed, not the model
+    if status is Status.FINITE and not skip_note and (main.trace and main.trace.events or not main.finite):
         status = Status.NONFINITE
     if status is Status.FINITE and data and any(p.level == "error" for p in data):
         status = Status.NONFINITE
     context = _context(main, cfg.run.context_modules)
-    notes = list(reached.notes) + skipped_notes
+    notes = list(reached.notes) + skipped_notes + ([skip_note] if skip_note else [])
     error_line = None
     if raised:
         error_line = reached.error.message
@@ -276,7 +279,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
             notes.append(f"{name} rerun: {t.note}")
     history = tuple(reached.history[-cfg.replay.history:]) + ((reached.record,) if reached.record else ())
     return Report(command=command, entry=loaded.entry, step=reached.step, status=status,
-                  device=describe_device(device), precision=prec.value, origin=origin_of(main.origin, prec.value),
+                  device=describe_device(device), precision=prec.value,
+                  origin=None if skip_note else origin_of(main.origin, prec.value),
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
                   context=context, history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),

@@ -8,14 +8,15 @@ step with them and marks the fix verified when the step becomes finite.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .classify import Evidence, op_base
+from .classify import Evidence, explained_by, op_base, semantic_name
 from .instrument import LOSS_FN
 from .precision import Precision
-from .report import Cause, Finding, Fix, Phase
+from .report import Cause, Finding, Fix, Phase, Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,108 @@ def _src(ev: Evidence) -> str:
 
 def _device(ev: Evidence) -> str:
     return "cuda" if ev.reached.loop.device_type == "cuda" else "cpu"
+
+
+def _kind(ev: Evidence) -> str | None:
+    """Which op or error semantics explained the step (e.g. ``ctc_no_alignment``, ``embedding_index``)."""
+    return explained_by(ev.reached.error) or semantic_name(ev)
+
+
+def _clip_of(ev: Evidence) -> float | None:
+    """The max_grad_norm the user's loop already clips at (None: no clipping)."""
+    clip = ev.target.max_grad_norm
+    return float(clip) if clip else None
+
+
+# -- op and error semantics (first: the specific fix before the generic ones) ----------------------
+@fix_for(Cause.DATA)
+def _ctc(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "ctc_no_alignment":
+        return None
+    return Fix(title="Drop (or zero) the CTC samples that have no valid alignment",
+               code="# a target needs input_length >= target_length + (number of repeated neighbours)\n"
+                    "loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, zero_infinity=True)\n"
+                    "# better, in the dataset: skip utterances whose transcript is too long for the audio\n"
+                    "repeats = (targets[:, 1:] == targets[:, :-1]).sum(1)   # (count within target_lengths if padded)\n"
+                    "keep = input_lengths >= target_lengths + repeats" + _src(ev),
+               why="an impossible alignment has probability 0: -log 0 = inf and its gradient is NaN; "
+                   "zero_infinity=True gives those samples loss 0 and gradient 0")
+
+
+@fix_for(Cause.DATA)
+def _empty_set(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "empty_set":
+        return None
+    return Fix(title="Leave rows that have nothing to reduce over out of the loss",
+               code="has_any = mask.any(dim=-1)                 # rows with at least one candidate\n"
+                    "scores = scores.masked_fill(~mask, float('-inf'))\n"
+                    "lse = torch.logsumexp(scores[has_any], dim=-1)  # (or log_softmax / softmax) on those rows only\n"
+                    "# and make the sampler put >= 1 positive per anchor (e.g. 2+ samples per class)" + _src(ev),
+               why="-inf in some entries is an intended mask; -inf in every entry of a row is an empty set whose "
+                   "log-sum is -inf (softmax 0/0): drop such rows before the reduction, not after")
+
+
+@fix_for(Cause.DATA, Cause.DOMAIN)
+def _kl(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "kl_div_zero_probability":
+        return None
+    if f.cause is Cause.DOMAIN:
+        return Fix(title="Give kl_div a probability target (>= 0), or log-probabilities with log_target=True",
+                   code="loss = F.kl_div(F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1),\n"
+                        "                log_target=True, reduction='batchmean')" + _src(ev),
+                   why="kl_div computes target * log(target); a negative target is not a probability")
+    return Fix(title="Keep zero probabilities finite in kl_div (clamp -inf log-probabilities)",
+               code="teacher_logp = teacher_logp.clamp_min(torch.finfo(teacher_logp.dtype).min)\n"
+                    "loss = F.kl_div(student_logp, teacher_logp, log_target=True, reduction='batchmean')\n"
+                    "# or with probabilities: F.kl_div(student_logp, teacher_logp.exp(), reduction='batchmean')\n"
+                    "# (xlogy gives 0 * log 0 = 0)" + _src(ev),
+               why="a zero probability contributes 0 to KL, but exp(-inf) * (-inf - x) is 0 * inf = NaN")
+
+
+@fix_for(Cause.DATA)
+def _embedding(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "embedding_index":
+        return None
+    return Fix(title="Resize the embedding to the tokenizer (or map the ids the table does not have)",
+               code="model.resize_token_embeddings(len(tokenizer))   # transformers models\n"
+                    "# or: grow the table by hand, keeping the trained rows\n"
+                    "old = model.embed\n"
+                    "model.embed = nn.Embedding(len(tokenizer), old.embedding_dim)\n"
+                    "model.embed.weight.data[:old.num_embeddings] = old.weight.data",
+               why="an id >= num_embeddings has no row; adding special tokens to the tokenizer does not add rows")
+
+
+@fix_for(Cause.DOMAIN)
+def _bce_logits(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "bce_outside_unit_interval":
+        return None
+    return Fix(title="Use binary_cross_entropy_with_logits on the raw scores",
+               code="loss = F.binary_cross_entropy_with_logits(logits, targets)   # no sigmoid before it\n"
+                    "# (nn.BCEWithLogitsLoss; autocast-safe, unlike sigmoid + BCELoss)",
+               why="BCE takes probabilities in [0, 1]; the logits version applies the sigmoid inside, in log space")
+
+
+@fix_for(Cause.DOMAIN)
+def _linalg_jitter(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "not_positive_definite":
+        return None
+    return Fix(title="Make the matrix safely positive-definite before factorising it",
+               code="eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)\n"
+                    "L = torch.linalg.cholesky(cov + 1e-5 * eye)        # jitter on the diagonal\n"
+                    "# or factorise in float64: torch.linalg.cholesky(cov.double()).to(cov.dtype)",
+               why="a covariance estimated from few samples (or in low precision) is singular or slightly "
+                   "indefinite; a small diagonal jitter restores positive-definiteness")
+
+
+@fix_for(Cause.OVERFLOW)
+def _fp16_constant(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "constant_beyond_dtype":
+        return None
+    code = ev.main.trace.failed.code if ev.main.trace and ev.main.trace.failed else None
+    return Fix(title="Use a dtype-aware constant instead of a hard-coded -1e9",
+               code="scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)   # -65504 in fp16"
+                    + (f"\n# was: {code}" if code else ""),
+               why="-1e9 does not fit fp16 (max 65504); finfo(dtype).min is the most negative value that does")
 
 
 # -- precision ---------------------------------------------------------------------------------
@@ -165,24 +268,51 @@ def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
 @fix_for(Cause.LR_SPIKE)
 def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
     lrs = [h.lr for h in ev.reached.history if h.lr is not None]
-    peak = max(lrs) if lrs else None
-    base = min(lrs) if lrs else None
-    hint = f"\n# your LR went from {base:.3g} to {peak:.3g} in {len(lrs)} steps" if peak and base else ""
+    if ev.reached.record is not None and ev.reached.record.lr is not None:
+        lrs.append(ev.reached.record.lr)
+    lambda_lr = ev.reached.scheduler_kind in ("LambdaLR", "MultiplicativeLR") and lrs and ev.reached.scheduler_base_lrs \
+        and max(lrs) > max(ev.reached.scheduler_base_lrs) * 1.0001
+    if lambda_lr:
+        return Fix(title="Fix the schedule: the LambdaLR multiplier must stay <= 1",
+                   code="warmup = 1000  # steps\n"
+                        "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+                        "    optimizer, lambda step: min(1.0, (step + 1) / warmup))  # a multiplier in [0, 1]"
+                        f"\n# your LR reached {max(lrs):.3g}, {max(lrs) / max(ev.reached.scheduler_base_lrs):.3g}x "
+                        "the base LR",
+                   why="LambdaLR multiplies the base LR by what the lambda returns; above 1 the LR grows with it")
+    if lrs and max(lrs) <= min(lrs) * 1.0001:
+        lr = lrs[-1]
+        return Fix(title=f"Lower the learning rate (it is {lr:.3g}, constant) and warm up to it",
+                   code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr / 100:.3g})  "
+                        f"# was lr={lr:.3g}\n"
+                        "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+                        "    optimizer, lambda step: min(1.0, (step + 1) / 1000))  # linear warmup over 1000 steps",
+                   why="the update |dw|/|w| scales with the LR; a step that replaces the weights' norm diverges at "
+                       "once (Adam moves every weight by about lr per step, whatever the gradient)")
+    hint = f"\n# your LR went from {min(lrs):.3g} to {max(lrs):.3g} in {len(lrs)} steps" if lrs else ""
     return Fix(title="Fix the schedule: warm up to a lower peak learning rate",
                code="warmup = 1000  # steps\n"
                     "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                     "    optimizer, lambda step: min(1.0, (step + 1) / warmup))  # a multiplier in [0, 1]"
                     + hint,
-               why="an LR multiplier above 1 (or a peak LR too high for this model) makes |dw|/|w| explode; "
-                   "LambdaLR multiplies the base LR, so the lambda must stay <= 1")
+               why="a peak LR too high for this model makes |dw|/|w| explode; warm up to a lower peak")
+
+
+def _opt_name(ev: Evidence) -> str:
+    opts = ev.target.optimizers
+    return type(opts[0][1]).__name__ if opts else "AdamW"
 
 
 @fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: {"max_grad_norm": 1.0}
          if ev.reached.record is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE)
-         and not ev.reached.snapshot is None else None)
+         and ev.reached.snapshot is not None and _clip_of(ev) is None else None)
 def _clip(f: Finding, ev: Evidence) -> Fix | None:
     if f.cause is Cause.OVERFLOW and f.phase is Phase.FORWARD:
         return None
+    if _clip_of(ev) is not None:
+        return None   # the loop already clips: a clipping fix would be no news (the LR fix is the one)
+    if f.cause is Cause.LR_SPIKE and _opt_name(ev) in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adafactor"):
+        return None   # Adam normalises the gradient: clipping does not bound its step, the LR does
     scaler = ev.reached.scaler is not None
     code = ("scaler.scale(loss).backward()\nscaler.unscale_(optimizer)  # clip the true gradients, not scaled ones\n"
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\nscaler.step(optimizer)\n"
@@ -195,19 +325,42 @@ def _clip(f: Finding, ev: Evidence) -> Fix | None:
 # -- data ---------------------------------------------------------------------------------------
 @fix_for(Cause.DATA)
 def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) in ("ctc_no_alignment", "empty_set", "kl_div_zero_probability", "embedding_index"):
+        return None   # the op's own fix above says what to do
     codes = {p.code for p in ev.data if p.level == "error"}
     key = next((p.key for p in ev.data if p.level == "error"), "batch")
-    if "all_ignored" in codes or "empty" in codes:
+    ii = ev.target.ignore_index
+    if "all_ignored" in codes or "empty" in codes or _kind(ev) == "nll_no_target":
         return Fix(title="Guard the mean against batches with no valid labels",
                    code="loss_sum = F.cross_entropy(logits.flatten(0, -2), labels.flatten(),\n"
-                        "                           ignore_index=-100, reduction=\"sum\")\n"
-                        "loss = loss_sum / (labels != -100).sum().clamp_min(1)",
+                        f"                           ignore_index={ii}, reduction=\"sum\")\n"
+                        f"loss = loss_sum / (labels != {ii}).sum().clamp_min(1)",
                    why="a mean over zero labels is 0/0 = NaN; a count clamped at 1 gives loss 0 instead")
+    values = {p.value for p in ev.data if p.code == "label_out_of_range" and p.value is not None}
+    raised = re.search(r"Target (-?\d+) is out of bounds", str(ev.reached.error.exc)) if ev.reached.error else None
+    if raised:
+        values.add(float(raised.group(1)))
+    if len(values) == 1 and next(iter(values)) in (255.0, 65535.0, -1.0):
+        void = int(next(iter(values)))
+        return Fix(title=f"Label {void} marks void / unlabelled samples: tell the loss to ignore it",
+                   code=f"loss = F.cross_entropy(logits, labels, ignore_index={void})\n"
+                        f"# and return \"ignore_index\": {void} from target() so nanprobe checks labels the same way",
+                   why=f"{void} is the usual 'void' value of segmentation masks and label files; as a class index it "
+                       "is out of range and cross_entropy raises")
     if "masked_row" in codes:
         return Fix(title="Never mask a whole attention row",
                    code="# let fully padded rows attend to themselves (their output is discarded anyway)\n"
                         "mask = mask | (~mask.any(-1, keepdim=True))",
                    why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
+    if not codes and ev.reached.status is Status.SPIKE:
+        step = ev.reached.step
+        return Fix(title=f"Find what is different about batch {step}: its loss is far outside the run's",
+                   code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
+                        "every batch: compare batch " + f"{step} with the others\n"
+                        "# typical culprits: targets in other units, a label mapping of another source, a corrupt "
+                        "shard; fix them at the source, or skip such batches in the run with nanprobe.Guard",
+               why="the step size did not change, so the batch did: one batch whose loss is orders of magnitude "
+                   "above the others moves the weights by its own outliers")
     return Fix(title=f"Clean the data: find and drop (or impute) the rows with bad values in {key}",
                code=f"nanprobe scan-data {ev.entry or 'ENTRY'}  # every bad value with step, key, sample\n"
                     "# in the dataset / collate_fn:\n"
@@ -292,9 +445,18 @@ def _domain_clamp(f: Finding, ev: Evidence) -> Fix | None:
         code = ("# a fractional power is only defined for x >= 0\n"
                 "y = x.clamp_min(0).pow(p)            # or: x.sign() * x.abs().pow(p)\n"
                 "# apply gamma correction before normalizing, on values in [0, 1]" + _src(ev))
+    elif base in ("acos", "asin", "atanh"):
+        code = (f"y = torch.{base}(x.clamp(-1 + 1e-6, 1 - 1e-6))  # keep inside the domain; the gradient is "
+                "infinite at ±1" + _src(ev))
+    elif e is not None:
+        lo = min((s.min for s in e.inputs), default=0.0)
+        hi = max((s.max for s in e.inputs), default=0.0)
+        code = (f"# {base} gave {e.kind} for inputs in [{lo:.3g}, {hi:.3g}]: keep its input strictly inside the range "
+                "where it is finite\n"
+                f"x = x.clamp(lo + eps, hi - eps)   # the bounds of {base}'s domain\n"
+                f"y = torch.{base.replace('special_', 'special.')}(x)" + _src(ev))
     else:
-        code = ("y = torch.acos(x.clamp(-1 + 1e-6, 1 - 1e-6))  # keep inside the domain; the gradient is infinite "
-                "at ±1" + _src(ev))
+        return None
     return Fix(title=f"Clamp the input of {base or 'the op'} into its domain", code=code,
                why="outside its domain the op returns NaN, and at the boundary its gradient is infinite")
 
@@ -310,12 +472,17 @@ def _determinism(f: Finding, ev: Evidence) -> Fix | None:
 
 @fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
 def _guard(f: Finding, ev: Evidence) -> Fix | None:
+    if ev.reached.error is not None:
+        return None   # a step that raises cannot be skipped by a guard around the update
+    clip = _clip_of(ev)
+    entry = ev.entry or "train.py:target"
     return Fix(title="Skip bad updates in the real run with nanprobe.Guard (writes a capsule to replay)",
-               code="guard = nanprobe.Guard(model, optimizer, entry=\"train.py:target\")\n"
+               code=f"guard = nanprobe.Guard(model, optimizer, entry=\"{entry}\")\n"
                     "for step, batch in enumerate(loader):\n"
                     "    with guard.step(batch):\n        loss = loss_fn(model, batch)\n"
                     "        guard.backward(loss)\n"
-                    "    if guard.optimizer_step(max_grad_norm=1.0):  # False: skipped (non-finite or spike)\n"
+                    f"    if guard.optimizer_step({f'max_grad_norm={clip:g}' if clip else ''}):  "
+                    "# False: skipped (non-finite or spike)\n"
                     "        scheduler.step()",
                why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
 

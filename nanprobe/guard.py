@@ -21,6 +21,7 @@ import torch
 
 from . import capsule as _capsule
 from .config import Config, GuardConfig, _build, load_config
+from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .precision import Precision, device_of, parse_precision
 from .state import RngTracker, capture_rng, module_tensor_attrs
@@ -120,7 +121,10 @@ class Guard:
     skips the same step; each rank writes its own capsule (rank in the file name).
 
     A GradScaler's normal skipped steps (inf gradients while it lowers the scale) are not failures;
-    ``max_scaler_skips`` of them in a row are. Persistent buffers that change in the forward pass
+    a skip storm is (the scale falling below ``min_scale`` and still skipping, or ``max_scale_drop``
+    below where the skips started after training had worked); reading the scale on a skipped step
+    is one more sync, on that step only. Spikes are judged by the same divergence model as replay
+    and smoke (``nanprobe.divergence``): noise that recovers is not a spike. Persistent buffers that change in the forward pass
     (BatchNorm running stats) are copied at the start of checked steps and put back when a step is
     skipped. Gradient accumulation: enter ``guard.step(micro_batch)`` for each micro-batch (right
     after fetching it) and call ``guard.backward`` on each loss; the step number advances at
@@ -183,11 +187,9 @@ class Guard:
         self._carried: dict[str, Any] = {}
         self._loss: torch.Tensor | None = None
         self._consecutive = 0
-        self._scaler_skips = 0
-        self._losses: deque[float] = deque(maxlen=max(cfg.window, 1))
-        self._norms: deque[float] = deque(maxlen=max(cfg.window, 1))
-        self._t_loss = self._t_norm = math.inf
-        self._med_loss = self._med_norm = math.nan
+        self._div = Divergence(Rules.of(cfg))   # the same divergence model as replay's and smoke's Judge
+        self._losses, self._norms = self._div.loss.values, self._div.norm.values
+        self._t_loss = self._t_norm = math.inf  # a loss / norm above these is bad at the next check
         self._history: deque[dict[str, Any]] = deque(maxlen=max(cfg.history, 1))
         self._buffers = [b for m in _capsule.unwrap(model).modules()
                          for name, b in m._buffers.items()
@@ -332,18 +334,21 @@ class Guard:
         else:
             local = True
         if reason is None and scaler_skip:
-            self._scaler_skips += 1
-            if self._scaler_skips <= self.cfg.max_scaler_skips:
+            # GradScaler's back-off, judged by the trajectory of its scale (rare path: reading it syncs)
+            reason = self._div.scaler_skip(scaler.get_scale())
+            status = "nonfinite"
+            if reason is None:
+                reason = self._div.spike(loss_v, None, step=step)
+                status = "spike"
+            if reason is None:
                 self._apply(scaler)   # the scaler skips this update and lowers its scale
+                self._add(loss_v, None)
                 self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=True))
                 return False
-            reason, status = (f"GradScaler skipped {self._scaler_skips} steps in a row "
-                              f"(loss scale now {scaler.get_scale():g})"), "nonfinite"
         if reason is not None:
             return self._bad(step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm, rank, world)
         self._apply(scaler)
         self._consecutive = 0
-        self._scaler_skips = 0
         self._add(loss_v, norm_v)
         self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=False))
         return True
@@ -389,33 +394,23 @@ class Guard:
         return loss_v, norm_v, others
 
     def _judge(self, loss: float | None, norm: float | None, scaler: bool) -> tuple[str | None, str]:
+        """Non-finite values and spikes, as the replay's Judge decides them (a few comparisons here:
+        the cut-offs were computed by ``_add``). A non-finite norm under a GradScaler is left to the
+        scaler-skip handling in ``_optimizer_step``."""
         if loss is not None and not math.isfinite(loss):
             return f"loss is {loss}", "nonfinite"
         if norm is not None and not math.isfinite(norm):
             return (None, "nonfinite") if scaler else (f"gradient norm is {norm}", "nonfinite")
-        if loss is not None and loss > self._t_loss:
-            med = self._med_loss
-            times = f" ({loss / med:.1f}x)" if med > 0 else ""
-            return f"loss spike: {loss:.4g} vs running median {med:.4g}{times}", "spike"
-        if norm is not None and norm > self._t_norm:
-            med = self._med_norm
-            return f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)", "spike"
+        self._div.scaler_ok()
+        if (loss is not None and loss > self._t_loss) or (norm is not None and norm > self._t_norm):
+            reason = self._div.spike(loss, norm, step=self.step_index)
+            if reason is not None:
+                return reason, "spike"
         return None, "finite"
 
     def _add(self, loss: float | None, norm: float | None) -> None:
-        cfg = self.cfg
-        if loss is not None and math.isfinite(loss):
-            self._losses.append(loss)
-            if len(self._losses) >= max(cfg.min_history, 1):
-                med = _median(self._losses)
-                self._med_loss = med
-                self._t_loss = med + (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12)
-        if norm is not None and math.isfinite(norm):
-            self._norms.append(norm)
-            if len(self._norms) >= max(cfg.min_history, 1):
-                med = _median(self._norms)
-                self._med_norm = med
-                self._t_norm = cfg.grad_spike_factor * med if med > 0 else math.inf
+        self._div.add(loss, norm, step=self.step_index)
+        self._t_loss, self._t_norm = self._div.loss_cut(), self._div.norm_cut()
 
     def _lr(self) -> float | None:
         if not self.optimizers or not self.optimizers[0].param_groups:
@@ -548,23 +543,20 @@ class Guard:
 
     def state_dict(self) -> dict[str, Any]:
         """The guard's running statistics and counters (for your checkpoint); weights_only-safe."""
-        return {"next_step": self._next, "consecutive": self._consecutive, "scaler_skips": self._scaler_skips,
-                "losses": list(self._losses), "norms": list(self._norms),
+        return {"next_step": self._next, "consecutive": self._consecutive, "scaler_skips": self._div.skips,
+                "losses": list(self._losses), "norms": list(self._norms), "divergence": self._div.state_dict(),
                 "history": [dict(h) for h in self._history], "capsules": [str(p) for p in self.capsules]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._next = int(state["next_step"])
         self._current = None
         self._consecutive = int(state.get("consecutive", 0))
-        self._scaler_skips = int(state.get("scaler_skips", 0))
-        self._losses.clear()
-        self._norms.clear()
-        self._t_loss = self._t_norm = math.inf
-        self._med_loss = self._med_norm = math.nan
-        for loss in state.get("losses", []):
-            self._add(float(loss), None)
-        for norm in state.get("norms", []):
-            self._add(None, float(norm))
+        div = state.get("divergence")
+        if div is None:   # a state_dict from before the divergence model: its windows only
+            div = {"loss": {"values": state.get("losses", [])}, "norm": {"values": state.get("norms", [])},
+                   "skips": state.get("scaler_skips", 0)}
+        self._div.load_state_dict(div)
+        self._t_loss, self._t_norm = self._div.loss_cut(), self._div.norm_cut()
         self._history.clear()
         self._history.extend(dict(h) for h in state.get("history", []))
         capsules = []
@@ -575,12 +567,6 @@ class Guard:
                 logger.warning("nanprobe.Guard: ignoring %r from the loaded state: not a capsule this guard wrote "
                                "in %s (it will never be deleted)", p, self.capsule_dir)
         self.capsules = capsules
-
-
-def _median(values) -> float:
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 def _hist(step: int, loss: float | None, norm: float | None, lr: float | None, *, finite: bool,

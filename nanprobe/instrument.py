@@ -71,6 +71,9 @@ _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 
 MAX_EVENTS = 12
 _OP_NAMES: dict[Any, str] = {}
+# Reductions whose -inf output from -inf inputs means an empty set (every entry of the slice was
+# -inf, e.g. an anchor with no positive): an origin, not an intended mask passing through.
+_EMPTY_SET = {aten.logsumexp.default}
 
 
 @dataclass(slots=True)
@@ -116,6 +119,18 @@ class Event:
 
 
 @dataclass(slots=True)
+class Failed:
+    """The op that raised an exception (the user's code raised inside it)."""
+
+    phase: Phase
+    module: str | None
+    op: str
+    source: str | None
+    code: str | None
+    inputs: list[TensorStats]
+
+
+@dataclass(slots=True)
 class Probe:
     """What to record about one specific op call in a reference rerun."""
 
@@ -147,6 +162,7 @@ class Trace:
     node_source: tuple[str | None, str | None] | None = None  # (file:line, code) of a node found in a rerun
     flagged: set[int] = field(default_factory=set)   # deferred mode: ops whose output was non-finite
     reads: int = 0                                   # device-to-host reads the tracker made
+    failed: Failed | None = None  # the op that raised, when the step raised inside an op
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
@@ -226,11 +242,15 @@ class _OriginMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tracker
-        if not tr.active or func in _SKIP or func in _MOVERS or func.is_view:
+        if not tr.active:
             return func(*args, **kwargs)
-        if func in _CASTS:
-            out = func(*args, **kwargs)
-            if _narrowing_cast(func, args, kwargs, out):
+        if func in _SKIP or func in _MOVERS or func.is_view or func in _CASTS:
+            try:   # not checked for new non-finite values, but where a step raises is always noted
+                out = func(*args, **kwargs)
+            except Exception:
+                tr._failed(func, args, kwargs)
+                raise
+            if func in _CASTS and _narrowing_cast(func, args, kwargs, out):
                 tr._check(func, args, kwargs, out, [], None)
             return out
         mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
@@ -239,7 +259,11 @@ class _OriginMode(TorchDispatchMode):
             with torch._C.DisableTorchFunction():
                 pre = _kinds(mutated)
                 tr.reads += 1
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            tr._failed(func, args, kwargs)
+            raise
         tr._check(func, args, kwargs, out, mutated, pre)
         return out
 
@@ -485,6 +509,22 @@ class OriginTracker:
         return None, None
 
     # -- the check -----------------------------------------------------------------------
+    def _failed(self, func, args, kwargs) -> None:
+        """Note the op that raised (the first one): where the user's step failed, and its inputs."""
+        if self.trace.failed is not None:
+            return
+        self.active = False
+        try:
+            with torch._C.DisableTorchFunction():
+                file, line, code = user_source_frame() if self.phase is Phase.FORWARD else (None, None, None)
+                self.trace.failed = Failed(phase=self.phase, module=self._module_for_op(), op=str(func),
+                                           source=f"{file}:{line}" if file else None, code=code,
+                                           inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
+        except Exception:  # noqa: BLE001 - best effort: the user's own exception is what propagates
+            pass
+        finally:
+            self.active = True
+
     def _check(self, func, args, kwargs, out, mutated, pre) -> None:
         if isinstance(out, torch.Tensor):
             outs = [out] if out.is_floating_point() and out.numel() > 0 else []
@@ -554,15 +594,23 @@ class OriginTracker:
         out_neg = any(k[2] for k in out_kinds)
         born_nan = out_nan and not in_nan
         born_inf = (out_pos or out_neg) and not (in_inf or in_nan)
+        if not (born_nan or born_inf) and func in _EMPTY_SET and out_neg and not out_nan and not in_nan \
+                and not any(k[1] for k in in_kinds):
+            born_inf = True   # -inf = log(sum of nothing): a slice of -inf only, an empty set
         if not (born_nan or born_inf):
             return
-        kind = "nan" if born_nan else ("inf" if out_pos and out_neg else ("+inf" if out_pos else "-inf"))
-        bad_out = next(t for t, k in zip(outs, out_kinds) if any(k))
+        # the kind of the first output with a non-finite value (an op's scratch outputs, e.g. ctc_loss's
+        # uninitialised log_alpha, must not decide it)
+        bad_out, (b_nan, b_pos, b_neg) = next((t, k) for t, k in zip(outs, out_kinds) if any(k))
+        kind = "nan" if born_nan and b_nan else ("inf" if b_pos and b_neg else ("+inf" if b_pos else
+                                                 "-inf" if b_neg else "nan"))
         nonfinite = int((~torch.isfinite(bad_out)).sum().item())
         samples: tuple[int, ...] = ()
         if self.phase is Phase.FORWARD and self.batch_size and bad_out.dim() >= 1 \
                 and bad_out.shape[0] == self.batch_size:
-            rows = (~torch.isfinite(bad_out.detach())).reshape(bad_out.shape[0], -1).any(1)
+            # a NaN born next to intended -inf (a masked softmax) names the rows with the NaN
+            rows = (torch.isnan(bad_out.detach()) if kind == "nan" else ~torch.isfinite(bad_out.detach())) \
+                .reshape(bad_out.shape[0], -1).any(1)
             samples = tuple(int(i) for i in rows.nonzero().flatten()[:8].tolist())
         source = code = None
         parameter = update_info = node_seq = None

@@ -155,9 +155,12 @@ def _load(obj: Any) -> tuple[Loaded, Callable[[], Loaded] | None, str | None]:
 def _smoke_replay_config(cfg: Config) -> ReplayConfig:
     """Smoke judges steps with the guard's thresholds (it stands for the guarded training run)."""
     g = cfg.guard
-    return dataclasses.replace(cfg.replay, spike_window=g.window, min_history=g.min_history,
-                               loss_spike_factor=g.loss_spike_factor, grad_spike_factor=g.grad_spike_factor,
-                               max_scaler_skips=g.max_scaler_skips, history=g.history)
+    same = ("min_history", "loss_spike_factor", "grad_spike_factor", "spike_z", "extreme_factor", "extreme_z",
+            "persist_steps", "runaway_factor", "baseline_steps", "rise_floor", "min_scale", "max_scale_drop",
+            "max_scaler_skips", "history")
+    # the guard never measures |dw|/|w| (it copies no weights): neither does smoke's judge
+    return dataclasses.replace(cfg.replay, spike_window=g.window, update_ratio_limit=float("inf"),
+                               **{k: getattr(g, k) for k in same})
 
 
 @borrows_globals

@@ -154,16 +154,30 @@ def test_gradscaler_early_skips_are_not_failures():
     assert reached.status is Status.FINITE and reached.reason is None
 
 
-def test_persistent_gradscaler_skips_are_a_failure():
+def _scaler_target(scale: float, steps: int = 30) -> Target:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 4, generator=g) * 30, torch.randn(8, 1, generator=g) * 30) for _ in range(12)]
-    t = Target(model=model, loss_fn=lambda m, b: F.mse_loss(m(b[0]).float(), b[1]), batches=batches,
-               optimizer=torch.optim.SGD(model.parameters(), lr=1e-5), precision="fp16", grad_scaler=True)
-    reached = reach(t, at=None, precision=Precision.FP16, cfg=CFG, where="t")
+    batches = [(torch.randn(8, 4, generator=g) * scale, torch.randn(8, 1, generator=g) * scale) for _ in range(steps)]
+    return Target(model=model, loss_fn=lambda m, b: F.mse_loss(m(b[0]).float(), b[1]), batches=batches,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=1e-5), precision="fp16", grad_scaler=True)
+
+
+def test_gradscaler_warm_up_with_many_skips_is_healthy():
+    # the scale backs off from 65536 to 64 over 10 skips in a row (more than the old limit of 8), then
+    # training goes on with one more skip at 64: the scaler's warm-up, not a storm
+    with pytest.raises(NoBadStep) as info:
+        reach(_scaler_target(30.0, steps=14), at=None, precision=Precision.FP16, cfg=CFG, where="t")
+    skipped = [h.step for h in info.value.history if h.skipped]
+    assert skipped == [*range(10), 12] and info.value.history[-1].scale == 32.0
+
+
+def test_gradscaler_skip_storm_is_a_failure():
+    # gradients beyond fp16 even unscaled: the scale falls below 1 and the scaler still skips
+    reached = reach(_scaler_target(1000.0), at=None, precision=Precision.FP16, cfg=CFG, where="t")
     assert reached.status is Status.NONFINITE
-    assert f"skipped {CFG.max_scaler_skips + 1} steps in a row" in reached.reason
+    assert reached.reason.startswith("GradScaler skip storm: step skipped at loss scale 0.5 (< 1)")
+    assert reached.step == 17 and all(h.skipped for h in reached.history)
 
 
 def test_python_random_is_restored():

@@ -1,0 +1,231 @@
+"""The classifier's core: the op-family registry, the evidence bundle, shared helpers, and
+``classify`` (run every registered rule, merge, rank)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..checks import DataProblem
+from ..config import RunConfig
+from ..instrument import Event, Probe
+from ..precision import limits
+from ..replay import Reached
+from ..report import Cause, Finding, Phase, Status
+from ..rerun import StepTrace
+from ..target import Target
+
+import torch
+
+# -- op -> family registry -----------------------------------------------------------------------
+_FAMILY: dict[str, str] = {}
+
+
+def register_family(family: str, *ops: str) -> None:
+    """Map aten base names (``log``) or autograd node bases (``Log``) to an op family."""
+    for op in ops:
+        if op in _FAMILY:
+            raise ValueError(f"op {op!r} is already registered as {_FAMILY[op]!r}")
+        _FAMILY[op] = family
+
+
+register_family("log", "log", "log2", "log10", "log1p", "xlogy", "special_xlog1py", "_log_softmax", "logit")
+register_family("sqrt", "sqrt", "rsqrt", "linalg_vector_norm", "norm", "_foreach_sqrt", "linalg_norm", "cdist",
+                "_cdist_forward", "_euclidean_dist", "std", "std_mean", "var", "var_mean")
+register_family("div", "div", "div_", "reciprocal", "true_divide", "addcdiv", "addcdiv_", "_foreach_div",
+                "_foreach_div_", "_foreach_addcdiv", "_foreach_addcdiv_", "remainder", "fmod", "floor_divide",
+                "nll_loss_forward", "nll_loss2d_forward", "mean", "_softmax", "cosine_similarity",
+                "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_foreach_reciprocal")
+register_family("domain", "acos", "asin", "atanh", "acosh", "pow", "pow_", "_foreach_pow", "lgamma", "digamma",
+                "polygamma", "erfinv", "mvlgamma")
+register_family("exp", "exp", "exp2", "expm1", "sinh", "cosh", "_foreach_exp", "softplus", "elu", "selu", "celu")
+register_family("accum", "mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
+                "mkldnn_convolution", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_cudnn_attention", "sum", "mul", "mul_", "add", "add_", "sub", "sub_", "cumsum",
+                "_to_copy", "copy_", "square", "einsum", "addcmul", "addcmul_", "_foreach_add", "_foreach_add_",
+                "_foreach_mul", "_foreach_mul_", "_foreach_addcmul_", "_foreach_lerp_", "lerp_", "dot", "mv",
+                "prod", "_fused_adam_", "_fused_adamw_", "gelu", "silu", "tanh", "sigmoid")
+
+_NODE_ALIASES = {"LinalgVectorNorm": "linalg_vector_norm", "Norm": "norm", "Sqrt": "sqrt", "Rsqrt": "rsqrt",
+                 "Log": "log", "Log2": "log2", "Log10": "log10", "Log1p": "log1p", "Div": "div", "Pow": "pow",
+                 "Acos": "acos", "Asin": "asin", "Atanh": "atanh", "Acosh": "acosh", "Exp": "exp",
+                 "Reciprocal": "reciprocal", "Std": "std", "Var": "var", "Cdist": "cdist",
+                 "NativeLayerNorm": "native_layer_norm", "NativeBatchNorm": "native_batch_norm",
+                 "Mean": "mean", "Lgamma": "lgamma", "Digamma": "digamma", "Erfinv": "erfinv", "Xlogy": "xlogy",
+                 "Softplus": "softplus", "Expm1": "expm1", "Logit": "logit"}
+
+
+def op_base(op: str | None) -> str:
+    """``aten.log.default`` -> ``log``."""
+    if not op:
+        return ""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+
+
+def node_base(node: str | None) -> str:
+    """``SqrtBackward0`` -> ``sqrt``."""
+    if not node:
+        return ""
+    m = re.match(r"([A-Za-z0-9]+?)Backward\d*$", node)
+    if not m:
+        return ""
+    return _NODE_ALIASES.get(m.group(1), m.group(1).lower())
+
+
+def family_of(event: Event) -> str:
+    if event.phase is Phase.BACKWARD:
+        fam = _FAMILY.get(node_base(event.node))
+        if fam:
+            return fam
+    return _FAMILY.get(op_base(event.op), "other")
+
+
+# -- evidence bundle ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Evidence:
+    reached: Reached
+    main: StepTrace
+    reference: StepTrace | None
+    probe: Probe | None
+    others: dict[str, StepTrace]
+    data: list[DataProblem]
+    cfg: RunConfig
+    entry: str = ""
+
+    @property
+    def origin(self) -> Event | None:
+        return self.main.origin
+
+    @property
+    def target(self) -> Target:
+        return self.reached.loop.target
+
+    @property
+    def reference_finite(self) -> bool | None:
+        if self.reference is None or self.reference.record is None:
+            return None
+        return self.reference.finite and not self.reference.trace.events if self.reference.trace else \
+            self.reference.finite
+
+
+Rule = Callable[[Evidence], list[Finding]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    """Register a rule; classify runs them all."""
+    RULES.append(fn)
+    return fn
+
+
+def g(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def where(e: Event) -> str:
+    mod = e.module if e.module not in (None, "") else "(model)"
+    what = f"{e.node} ({e.op})" if e.node else e.op
+    return f"{what} in {mod}"
+
+
+def finding(cause: Cause, conf: float, e: Event | None, evidence: list[str], *, phase: Phase | None = None,
+             module: str | None = None, op: str | None = None) -> Finding:
+    return Finding(cause=cause, confidence=max(0.0, min(conf, 0.99)),
+                   phase=phase or (e.phase if e else Phase.FORWARD),
+                   module=module if module is not None or e is None else e.module,
+                   op=op if op is not None or e is None else (e.node or e.op), evidence=tuple(evidence))
+
+
+def origin_line(e: Event) -> str:
+    src = f" at {e.source}" if e.source else ""
+    rows = f"; samples {list(e.samples)}" if e.samples else ""
+    inputs = "inputs with no NaN" if any(s.nonfinite for s in e.inputs) else "finite inputs"
+    return (f"{e.phase.value}: {where(e)} produced {e.kind} ({e.out_nonfinite} of {e.out_numel} values, "
+            f"{e.out_dtype}) from {inputs}{src}{rows}")
+
+
+def is_low(dtype: str) -> bool:
+    return dtype in ("float16", "bfloat16")
+
+
+def dtype_max(dtype: str) -> float:
+    return limits(getattr(torch, dtype)).max
+
+
+def zeros(stats) -> int:
+    return sum(s.zeros for s in stats)
+
+
+def classify(ev: Evidence) -> list[Finding]:
+    """Run every rule; merge duplicates (same cause) keeping the strongest; rank by confidence."""
+    if ev.reached.status is Status.FINITE and ev.origin is None and ev.main.finite and not ev.data \
+            and ev.reached.error is None:
+        return []
+    if scaler_skip_note(ev):
+        return []   # GradScaler's normal back-off: the values overflow only because of the loss scale
+    found: dict[Cause, Finding] = {}
+    for r in RULES:
+        for f in r(ev):
+            old = found.get(f.cause)
+            if old is None or f.confidence > old.confidence:
+                found[f.cause] = f
+    if ev.origin is not None and ev.origin.phase is not Phase.UPDATE and Cause.LR_SPIKE in found:
+        # a precision overflow with a finite reference is not an LR problem, and vice versa
+        lr = found[Cause.LR_SPIKE]
+        if ev.reference_finite:
+            found[Cause.LR_SPIKE] = replace_conf(lr, lr.confidence * 0.5)
+        elif Cause.OVERFLOW in found:
+            found[Cause.OVERFLOW] = replace_conf(found[Cause.OVERFLOW], min(found[Cause.OVERFLOW].confidence,
+                                                                        lr.confidence - 0.05))
+    if not found and ev.origin is not None:
+        f = unknown_origin(ev.origin)
+        found[f.cause] = f
+    return sorted(found.values(), key=lambda f: -f.confidence)
+
+
+def unknown_origin(e: Event, extra: list[str] | None = None) -> Finding:
+    """No rule knows what this op's inf/NaN means: say what is known, with a low confidence.
+
+    Never "overflow" by default: an unknown op that returns inf from finite inputs is most often
+    evaluated outside where it is finite (a pole, a boundary), which is what ``domain`` means."""
+    if e.phase is Phase.UPDATE:
+        return finding(Cause.LR_SPIKE, 0.4, e, [origin_line(e), "the optimizer update turned finite gradients "
+                                                "and weights into non-finite weights"])
+    ins = e.inputs
+    lo = min((s.min for s in ins), default=None)
+    hi = max((s.max for s in ins), default=None)
+    return finding(Cause.DOMAIN, 0.3, e, [origin_line(e), *(extra or []),
+                                          f"unknown origin: no rule knows what {e.kind} from {e.node or e.op} "
+                                          f"means (its finite inputs range from {g(lo)} to {g(hi)}); read as an "
+                                          "input outside where the op is finite - check its domain"])
+
+
+def scaler_skip_note(ev: Evidence) -> str | None:
+    """The diagnosed step is one of GradScaler's normal skips (the judge found nothing wrong): the
+    values overflow fp16 only because of the loss scale. The note says so; there is no finding."""
+    rec = ev.reached.record
+    if rec is None or not rec.skipped or ev.reached.status is not Status.FINITE or ev.reached.error is not None:
+        return None
+    e = ev.origin
+    if e is not None and e.phase is Phase.FORWARD or any(p.level == "error" for p in ev.data):
+        return None
+    scale = rec.scale
+    text = (f"GradScaler skipped step {ev.reached.step}" + (f" at loss scale {scale:g}" if scale else "") +
+            ": the scaled gradients overflow fp16 (max 65504) and the scaler lowered its scale, as it should; "
+            f"the loss ({g(rec.loss)}) is finite")
+    probe = ev.probe if ev.probe is not None and ev.probe.found else None
+    if e is not None and probe is not None and probe.out_absmax is not None:
+        text += (f"; unscaled, {e.node or e.op} reaches |x| = {g(probe.out_absmax)} in "
+                 f"{ev.reference.precision.value}, which fits fp16")
+    return text
+
+
+def replace_conf(f: Finding, conf: float) -> Finding:
+    return dataclasses.replace(f, confidence=max(0.0, min(conf, 0.99)))
