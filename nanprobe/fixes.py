@@ -347,6 +347,14 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                         f"# and return \"ignore_index\": {void} from target() so nanprobe checks labels the same way",
                    why=f"{void} is the usual 'void' value of segmentation masks and label files; as a class index it "
                        "is out of range and cross_entropy raises")
+    if raised:
+        value = int(raised.group(1))
+        return Fix(title=f"Label {value} is not a class: map the labels to 0..C-1 or widen the classifier",
+                   code=f"nanprobe scan-data {ev.entry or 'ENTRY'}  # which steps and samples hold the label\n"
+                        "# in the dataset: remap labels to 0..num_classes-1 (e.g. 1-based ids: y = y - 1)\n"
+                        "# or give the head one output per class: nn.Linear(d, num_classes)",
+                   why="cross_entropy indexes the logits with the label; an index past the last class has no "
+                       "logit, so the step raises (on CUDA, a device-side assert that poisons the process)")
     if "masked_row" in codes:
         return Fix(title="Never mask a whole attention row",
                    code="# let fully padded rows attend to themselves (their output is discarded anyway)\n"

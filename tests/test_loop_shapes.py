@@ -174,6 +174,8 @@ def test_a_label_out_of_range_that_raises_is_a_data_finding():
     assert top.cause.value == "data"
     codes = {p["code"] for p in report.extra["data_problems"]}
     assert "label_out_of_range" in codes
+    assert "is not a class" in top.fixes[0].title          # not "clean NaNs": there are none
+    assert all(f.cause.value != "lr_spike" or f.confidence < 0.3 for f in report.findings)
 
 
 def test_a_plain_bug_at_step_0_stays_exit_2_with_the_users_line(tmp_path):

@@ -137,6 +137,8 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
     conf = strength
     if any(p.level == "error" for p in ev.data):
         conf -= 0.4  # bad data explains the blow-up better
+    if ev.reached.error is not None and e is None:
+        conf -= 0.4  # the step raised before any NaN existed: its input did it, not the step size
     if ev.reference_finite is False or (e is not None and not is_low(e.out_dtype)):
         conf += 0.15  # not a precision problem: the reference diverges too
     if e is not None and e.phase is Phase.UPDATE and family_of(e) != "div":
