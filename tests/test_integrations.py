@@ -1,0 +1,212 @@
+"""The Lightning callback: a real Trainer, only the callback added.
+
+A bad step is skipped, its capsule written, diagnosed in-process (step, cause, phase, source line of
+the JSON report) and training goes on; a healthy run writes nothing and ends with the same weights,
+bit for bit, as the same run without the callback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from nanprobe.capsule import read
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _framework(name: str):
+    """CI installs the extras and sets NANPROBE_INTEGRATION_TESTS=required: a missing framework fails there."""
+    if os.environ.get("NANPROBE_INTEGRATION_TESTS") == "required":
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+def _line(path: str | Path, marker: str) -> int:
+    """The 1-based line of ``path`` holding ``marker`` (source lines are asserted, never hard-coded)."""
+    lines = Path(path).read_text().splitlines()
+    hits = [i + 1 for i, text in enumerate(lines) if marker in text]
+    assert len(hits) == 1, (marker, hits)
+    return hits[0]
+
+
+def _report(event) -> dict:
+    assert event.report is not None, event
+    return json.loads(Path(event.report).read_text())
+
+
+def _equal_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------
+
+L = _framework("lightning")
+
+
+class Regressor(L.LightningModule):
+    """MSE for a warm-up epoch, then a relative-error term: a target of 0 divides by zero."""
+
+    def __init__(self, relative_from_epoch: int | None = 1):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.relative_from_epoch = relative_from_epoch
+        self.seen: list[tuple[int, int, list[int]]] = []   # (global_step, epoch, sample ids) per training_step
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.seen.append((self.global_step, self.current_epoch, ids.tolist()))
+        pred = self.net(x).squeeze(-1)
+        loss = F.mse_loss(pred, y)
+        if self.relative_from_epoch is not None and self.current_epoch >= self.relative_from_epoch:
+            loss = loss + ((pred - y) / y).abs().mean()   # <- origin: relative error
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)}
+
+
+ZERO = 5   # the sample whose target is 0
+
+
+def _loader(seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 4, generator=g)
+    y = x.sum(-1) + 3.0
+    y[ZERO] = 0.0
+    torch.manual_seed(seed)
+    return DataLoader(TensorDataset(x, y, torch.arange(32)), batch_size=4, shuffle=True)
+
+
+def _fit(module, callbacks, tmp_path, **kwargs):
+    trainer = L.Trainer(max_epochs=kwargs.pop("max_epochs", 3), accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs)
+    trainer.fit(module, _loader())
+    return trainer
+
+
+class _Weights(L.Callback):
+    """Records the first layer's weight around every batch (after nanprobe's callback has run)."""
+
+    def __init__(self):
+        self.before: dict[int, torch.Tensor] = {}
+        self.after: dict[int, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before.setdefault(trainer.global_step, pl_module.net[0].weight.detach().clone())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step] = pl_module.net[0].weight.detach().clone()
+
+
+def test_lightning_nan_in_the_second_epoch_is_skipped_diagnosed_and_reported(tmp_path, caplog):
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    torch.manual_seed(0)
+    module = Regressor()
+    cb = NanprobeCallback(dirpath=tmp_path / "reports")
+    weights = _Weights()
+    with caplog.at_level(logging.WARNING, logger="nanprobe.lightning"):
+        trainer = _fit(module, [cb, weights], tmp_path, accumulate_grad_batches=2, gradient_clip_val=1.0)
+    # the oracle: the first optimizer step in epoch >= 1 whose micro-batches hold the zero target
+    expected = min(step for step, epoch, ids in module.seen if epoch >= 1 and ZERO in ids)
+    assert expected >= len(_loader()) // 2   # in the second epoch: 4 steps per epoch
+    assert trainer.global_step == 12 and trainer.current_epoch == 3   # training went on to the end
+    bad = cb.events[0]
+    assert (bad.step, bad.status, bad.reason, bad.action) == (expected, "nonfinite", "loss is inf", "skipped")
+    # the update was skipped: the weights after the bad step are the weights before it
+    assert torch.equal(weights.before[expected], weights.after[expected + 1])
+    assert not torch.equal(weights.before[expected - 1], weights.before[expected])
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+    report = _report(bad)
+    src = f"test_integrations.py:{_line(__file__, '# <- ' + 'origin: relative error')}"
+    assert report["command"] == "lightning" and report["step"] == expected and report["status"] == "nonfinite"
+    origin = report["origin"]
+    assert (origin["phase"], origin["module"], origin["op"], origin["kind"]) == \
+        ("forward", "(loss_fn)", "aten.div.Tensor", "+inf")
+    assert origin["source"].endswith(src)
+    top = report["findings"][0]
+    assert (top["cause"], top["phase"]) == ("div", "forward")
+    assert report["fidelity"]["reproduced"] is True and report["fidelity"]["tolerance"] == "bitwise"
+    assert report["position"]["epoch"] == 1 and report["position"]["micro_batches"] == 2
+    assert report["lightning"]["global_step"] == expected and report["lightning"]["action"] == "skipped"
+    # the capsule of the step before it: weights_only-loadable, with both micro-batches
+    cap = read(bad.capsule)
+    assert cap.step == expected and len(cap.data["micro_batches"]) == 2 and cap.data["max_grad_norm"] == 1.0
+    # one line per bad step, naming the report and the replay command
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanprobe.lightning"]
+    assert len(lines) == len(cb.events) and "\n" not in lines[0]
+    assert f"step {expected}: non-finite values born in forward" in lines[0]
+    assert f"Report: {bad.report}." in lines[0]   # outside the working directory: the absolute path
+    assert lines[0].endswith(f"Replay: nanprobe run ENTRY --capsule {bad.capsule}")
+    # later bad steps are skipped too; only the first is diagnosed in-process (max_reports=1)
+    assert all(e.action == "skipped" and e.report is None for e in cb.events[1:])
+
+
+@pytest.mark.parametrize("policy", ["stop", "raise"])
+def test_lightning_policies_stop_or_raise_after_the_report(tmp_path, policy):
+    from nanprobe.hooked import Stopped
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    torch.manual_seed(0)
+    module = Regressor()
+    cb = NanprobeCallback(dirpath=tmp_path, policy=policy)
+    if policy == "raise":
+        with pytest.raises(Stopped, match=r"nanprobe stopped training at step \d+: loss is inf \(policy 'raise'\)"):
+            _fit(module, [cb], tmp_path)
+    else:
+        trainer = _fit(module, [cb], tmp_path)
+        assert trainer.global_step == cb.events[0].step + 1 < 24   # the fit ended after the bad step
+    assert len(cb.events) == 1 and cb.events[0].action == {"stop": "stopped", "raise": "raised"}[policy]
+    assert _report(cb.events[0])["findings"][0]["cause"] == "div"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_path, precision):
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    finals = []
+    for with_callback in (False, True):
+        torch.manual_seed(0)
+        module = Regressor(relative_from_epoch=None)
+        cb = NanprobeCallback(dirpath=tmp_path / "reports")
+        _fit(module, [cb] if with_callback else [], tmp_path, precision=precision, accumulate_grad_batches=3,
+             gradient_clip_val=0.5)
+        finals.append({k: v.clone() for k, v in module.state_dict().items()})
+    assert _equal_state(finals[0], finals[1])
+    assert cb.events == [] and not (tmp_path / "reports").exists()
+    assert cb._guard.checks == 9   # 8 batches per epoch in steps of 3, 3 and 2 micro-batches, 3 epochs
+
+
+# -- without the framework ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module, blocked", [
+    ("nanprobe.integrations.lightning", ("lightning", "lightning.pytorch", "pytorch_lightning")),
+])
+def test_an_integration_without_its_framework_says_so_in_one_line_and_exits_2(monkeypatch, capsys, module, blocked):
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)   # import fails as if not installed
+    package, _, leaf = module.rpartition(".")
+    monkeypatch.setattr(sys.modules[package], leaf, sys.modules[module])   # put back afterwards, as sys.modules
+    monkeypatch.delitem(sys.modules, module)
+    fresh = importlib.import_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        fresh.NanprobeCallback()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    extra = module.rsplit(".", 1)[1]
+    assert err.count("\n") == 1 and err.startswith("nanprobe: error: ") and f"pip install 'nanprobe[{extra}]'" in err
