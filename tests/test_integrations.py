@@ -1,4 +1,4 @@
-"""The Lightning callback: a real Trainer, only the callback added.
+"""The Lightning and transformers callbacks: a real Trainer, only the callback added.
 
 A bad step is skipped, its capsule written, diagnosed in-process (step, cause, phase, source line of
 the JSON report) and training goes on; a healthy run writes nothing and ends with the same weights,
@@ -192,10 +192,102 @@ def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_
     assert cb._guard.checks == 9   # 8 batches per epoch in steps of 3, 3 and 2 micro-batches, 3 epochs
 
 
+# -- transformers ------------------------------------------------------------------------------------------
+
+transformers = _framework("transformers")
+_framework("accelerate")   # transformers.Trainer needs it
+
+
+class SFTData(torch.utils.data.Dataset):
+    """Token ids with SFT labels: prompt tokens are -100; four samples lost their completion (all -100)."""
+
+    def __init__(self, n: int = 12, seq: int = 8, vocab: int = 64, cut: tuple[int, ...] = (2, 5, 7, 9)):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[:, :4] = -100
+        self.labels[list(cut)] = -100
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _hf_trainer(model, data, callbacks, tmp_path, **kwargs):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                                          num_train_epochs=kwargs.pop("epochs", 2), use_cpu=True, report_to=[],
+                                          save_strategy="no", logging_strategy="no", seed=0, learning_rate=1e-3,
+                                          disable_tqdm=True, **kwargs)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def test_transformers_sft_batch_with_every_label_ignored(tmp_path, caplog):
+    from nanprobe.integrations.transformers import NanprobeCallback
+
+    model = _gpt2()
+    seen: list[tuple[int, torch.Tensor]] = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append((trainer.state.global_step, kw["labels"].clone())),
+                                    with_kwargs=True)
+    cb = NanprobeCallback(dirpath=tmp_path / "reports")
+    trainer = _hf_trainer(model, SFTData(), [cb], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="nanprobe.transformers"):
+        trainer.train()
+    # the oracle: the first step whose (shifted) labels are all ignored: num_items_in_batch is 0
+    expected = min(step for step, labels in seen if (labels[..., 1:] != -100).sum() == 0)
+    assert trainer.state.global_step == 12   # 6 steps per epoch, 2 epochs: training went on
+    bad = cb.events[0]
+    assert (bad.step, bad.status, bad.reason, bad.action) == (expected, "nonfinite", "loss is nan", "skipped")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    report = _report(bad)
+    import transformers.loss.loss_utils as loss_utils
+    src = f"loss_utils.py:{_line(loss_utils.__file__, 'loss = loss / num_items_in_batch')}"
+    assert report["command"] == "transformers" and report["step"] == expected and report["status"] == "nonfinite"
+    origin = report["origin"]
+    assert (origin["phase"], origin["op"], origin["kind"]) == ("forward", "aten.div.Tensor", "nan")
+    assert origin["source"].endswith(src) and origin["code"] == "loss = loss / num_items_in_batch"
+    top = report["findings"][0]
+    assert (top["cause"], top["phase"]) == ("data", "input")
+    assert [(p["code"], p["key"]) for p in report["data_problems"]] == [("all_ignored", "batch['inputs']['labels']")]
+    assert report["fidelity"]["reproduced"] is True and report["fidelity"]["tolerance"] == "bitwise"
+    assert report["transformers"]["global_step"] == expected
+    cap = read(bad.capsule)
+    assert cap.step == expected and cap.data["max_grad_norm"] == 1.0
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanprobe.transformers"]
+    assert len(lines) == len(cb.events) and f"step {expected}: non-finite values born in forward" in lines[0]
+
+
+def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_path):
+    """bf16 autocast, accumulation over 2 micro-batches (num_items_in_batch spans both: the all-ignored
+    micro-batches are harmless then), clipping, the linear schedule."""
+    from nanprobe.integrations.transformers import NanprobeCallback
+
+    finals = []
+    for with_callback in (False, True):
+        model = _gpt2()
+        cb = NanprobeCallback(dirpath=tmp_path / "reports")
+        trainer = _hf_trainer(model, SFTData(cut=(2,)), [cb] if with_callback else [], tmp_path, bf16=True,
+                              gradient_accumulation_steps=2, max_grad_norm=0.5)
+        trainer.train()
+        finals.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert _equal_state(finals[0], finals[1])
+    assert cb.events == [] and cb._guard.checks == 6 and not (tmp_path / "reports").exists()
+    assert "training_step" not in vars(trainer)   # the instance wrapper is gone after train()
+
+
 # -- without the framework ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("module, blocked", [
     ("nanprobe.integrations.lightning", ("lightning", "lightning.pytorch", "pytorch_lightning")),
+    ("nanprobe.integrations.transformers", ("transformers",)),
 ])
 def test_an_integration_without_its_framework_says_so_in_one_line_and_exits_2(monkeypatch, capsys, module, blocked):
     for name in blocked:
