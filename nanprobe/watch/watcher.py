@@ -1,164 +1,32 @@
-"""`nanprobe watch -- python train.py ARGS`: an unmodified script under the guard, through PyTorch's global hooks.
-
-The script runs in this process (``runpy``, ``sys.argv`` as it would see it), its output and exit
-code untouched. While it runs:
-
-* the first optimizer that steps is the guarded one; its steps are the step numbers (0, 1, ...);
-* during the first step, global module forward hooks find the *root module*: the outermost module
-  called with gradients enabled whose parameters hold the optimizer's (DDP: the module inside);
-  from then on only the root carries hooks: its inputs (positional and keyword arguments, by
-  reference), the RNG state and the autocast dtype at each call, and the loss its output holds
-  (``loss``, ``out.loss``, ``out["loss"]``, the one scalar in a tuple);
-* ``torch.autograd.backward`` notes the losses backpropagated (``GradScaler.scale`` the unscaled
-  ones); ``LRScheduler.__init__`` notes the schedulers;
-* the guarded optimizer's global step pre-hook (or ``GradScaler.step``, after unscaling) checks the
-  step: the loss and the global gradient norm in one device sync. On a non-finite loss or gradient,
-  or a spike, the update is skipped (gradients set to None) and a capsule written; once the step
-  is over (the optimizer's post-hook) it is diagnosed in-process with what needs no ``loss_fn``:
-  the root module's forward (and backward, when the output holds the loss) rerun on the captured
-  inputs under instrumentation, the non-finite gradients by module, the data checks on the inputs,
-  and the update's forensics (LR and optimizer settings; the parameters an earlier update made
-  non-finite). The JSON report goes to ``dirpath`` (and ``--json OUT``); the log line names the
-  ``nanprobe run ENTRY --capsule ...`` command for a full diagnosis with the script's own loss.
-
-Weights an earlier update made non-finite cannot be recovered by skipping: that raises into the
-script (as policy ``raise`` does).
-"""
+"""The Watcher: global hooks and scoped patches that guard a script's training (see nanprobe.watch)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import runpy
-import shutil
 import sys
-import traceback
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .config import Config
-from .errors import UsageError
-from .feed import MicroBatches, Position
-from .hooked import HookedGuard, HookEvent, Stopped, check_policy, resolve_config, skip_update, total_norm
-from .hooked.guard import Pending
-from .precision import Precision
-from .report import Cause, Finding, Phase, Report, Status
-from .state import capture_rng
-from .target import Target, validate
+from ..config import Config
+from ..feed import Position
+from ..hooked import HookedGuard, HookEvent, Stopped, skip_update, total_norm
+from ..hooked.guard import Pending
+from ..precision import Precision
+from ..report import Cause, Report, Status
+from ..state import capture_rng
+from ..target import Target, validate
+from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, inner, params_module,
+                      update_finding, update_forensics)
+
+POLICIES = ("skip", "raise", "record")
 
 logger = logging.getLogger("nanprobe.watch")
 
-POLICIES = ("skip", "raise", "record")
-_PYTHONS = ("python", "python3")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WatchResult:
-    """What ``nanprobe watch`` saw: the script's own exit code, the guarded steps, the bad ones."""
-
-    argv: tuple[str, ...]
-    exit_code: int                 # the script's (1 when it raised, as Python exits)
-    steps: int                     # optimizer steps of the guarded optimizer
-    events: tuple[HookEvent, ...] = ()
-    root: str | None = None        # the root module's class
-    json: str | None = None        # where --json wrote the first bad step's report
-    error: str | None = None       # the script raised: the exception's one line
-    notes: tuple[str, ...] = ()
-
-
-# -- the command line after `--` ----------------------------------------------------------------------
-
-def parse_command(argv: Sequence[str]) -> tuple[str, str, list[str]]:
-    """``python train.py ARGS`` / ``python -m pkg.train ARGS`` -> (kind, target, args)."""
-    argv = list(argv)
-    if not argv:
-        raise UsageError("no command to watch", "nanprobe watch", "Give it after --: nanprobe watch -- python "
-                                                                   "train.py ARGS")
-    exe = argv[0]
-    name = os.path.basename(exe)
-    known = name.startswith(_PYTHONS) or os.path.realpath(shutil.which(exe) or exe) == os.path.realpath(sys.executable)
-    if not known:
-        raise UsageError(f"{exe!r} is not a Python interpreter", "nanprobe watch",
-                         "Watch a Python script: nanprobe watch -- python train.py ARGS (or python -m pkg.train); "
-                         "under torchrun: torchrun ... --no-python nanprobe watch -- python train.py")
-    rest = argv[1:]
-    if rest[:1] == ["-m"]:
-        if len(rest) < 2:
-            raise UsageError("python -m needs a module", "nanprobe watch",
-                             "Write: nanprobe watch -- python -m pkg.train")
-        return "module", rest[1], rest[2:]
-    if not rest or rest[0].startswith("-"):
-        raise UsageError(f"cannot watch {' '.join(argv)!r}", "nanprobe watch",
-                         "Give a script: nanprobe watch -- python train.py ARGS (or python -m pkg.train ARGS)")
-    if not Path(rest[0]).is_file():
-        raise UsageError(f"script {rest[0]!r} not found", "nanprobe watch",
-                         f"Check the path (relative to {os.getcwd()})")
-    return "script", rest[0], rest[1:]
-
-
-# -- what the root module's output holds ---------------------------------------------------------------
-
-def find_loss(out: Any) -> torch.Tensor | None:
-    """The scalar loss a forward returned: the output itself, ``.loss``, ``["loss"]``, or the one
-    floating scalar (with a graph) in a tuple/list."""
-    def scalar(t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and t.requires_grad
-    if scalar(out):
-        return out
-    loss = getattr(out, "loss", None) if not isinstance(out, (dict, tuple, list, torch.Tensor)) else None
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if scalar(loss):
-        return loss
-    if isinstance(out, (tuple, list)):
-        found = [t for t in out if scalar(t)]
-        if len(found) == 1:
-            return found[0]
-    return None
-
-
-def _batch_of(args: tuple, kwargs: dict, autocast: str | None) -> dict[str, Any]:
-    return {"args": tuple(args), "kwargs": dict(kwargs), "autocast": autocast}
-
-
-class ForwardStep:
-    """What ``watch`` reruns without the script's loss_fn: the root module's forward on the captured
-    inputs, under the autocast dtype the script used, and its backward when the output holds the loss.
-    No optimizer step: the update is the script's."""
-
-    def __init__(self, device_type: str):
-        self.device_type = device_type
-
-    def __call__(self, model: torch.nn.Module, batch: Any, step: int) -> torch.Tensor | None:
-        micro = batch if isinstance(batch, MicroBatches) else [batch]
-        total = None
-        for item in micro:
-            if not isinstance(item, dict):   # a step in which the root module was not called
-                continue
-            dtype = item.get("autocast")
-            ctx = torch.autocast(self.device_type, dtype=getattr(torch, dtype)) if dtype else \
-                torch.autocast(self.device_type, enabled=False)
-            with torch.enable_grad():
-                with ctx:
-                    out = model(*item["args"], **item["kwargs"])
-                loss = find_loss(out)
-                if loss is not None:
-                    loss.backward()
-            if loss is not None:
-                d = loss.detach().float()
-                total = d if total is None else total + d
-        return total
-
-
-# -- the watcher -----------------------------------------------------------------------------------------
 
 class _Patch:
     __slots__ = ("obj", "name", "original")
@@ -245,8 +113,8 @@ class Watcher:
         if self.root is not None:
             return
         if self._depth == 0 and torch.is_grad_enabled():
-            self._first.append([module, args, {}, _autocast_dtype(module), capture_rng(_device(module), host=False),
-                                None])
+            rng = capture_rng(device_of_module(module), host=False)
+            self._first.append([module, args, {}, autocast_dtype(module), rng, None])
         self._depth += 1
 
     def _any_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
@@ -272,12 +140,12 @@ class Watcher:
         if best is None:
             self.notes.append("no module was called with gradients enabled before the first optimizer step: "
                               "no inputs to rerun")
-            self._make_guard(_params_module(opt))
+            self._make_guard(params_module(opt))
             return
-        self._device_type = _device(best)
+        self._device_type = device_of_module(best)
         self._root_hooks.append(best.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._root_hooks.append(best.register_forward_hook(self._root_post))
-        self._make_guard(_inner(best))
+        self._make_guard(inner(best))
         for module, args, kwargs, autocast, rng, loss in first:
             if module is best:
                 self._note_call(args, kwargs, autocast)
@@ -298,7 +166,7 @@ class Watcher:
     # -- the root's calls --
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.busy and torch.is_grad_enabled():
-            self._note_call(args, kwargs, _autocast_dtype(module))
+            self._note_call(args, kwargs, autocast_dtype(module))
 
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         if not self.busy and torch.is_grad_enabled():
@@ -308,7 +176,7 @@ class Watcher:
         g = self.guard
         if not g.in_step:
             self._losses, self._loss_missing = [], False
-        g.micro(_batch_of(args, kwargs, autocast), self.steps)
+        g.micro(batch_of(args, kwargs, autocast), self.steps)
 
     def _note_out(self, loss: torch.Tensor | None) -> None:
         if loss is None:
@@ -475,7 +343,7 @@ class Watcher:
         p.extra["gradients"] = {"nonfinite_modules": [r for r in rows.values() if r["nonfinite"]],
                                 "note": "non-finite gradient values per module in the live step (before it was "
                                         "skipped)"}
-        p.extra["update"] = _update_forensics(self.optimizer, model, p.corrupt)
+        p.extra["update"] = update_forensics(self.optimizer, model, p.corrupt)
 
     def _adjust(self, report: Report, p: Pending) -> Report:
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
@@ -494,7 +362,7 @@ class Watcher:
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters"):
-            findings.insert(0, _update_finding(upd, p.step))
+            findings.insert(0, update_finding(upd, p.step))
         status = p.status if report.status is Status.FINITE else report.status
         return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status)
 
@@ -513,166 +381,4 @@ class Watcher:
                          "precision": precision, "accumulate": max(len(self.guard._items), 1)}, "nanprobe watch")
 
 
-def _inner(module: torch.nn.Module) -> torch.nn.Module:
-    from .capsule import unwrap
-    return unwrap(module)
-
-
-def _device(module: torch.nn.Module) -> str:
-    for p in module.parameters():
-        return p.device.type
-    return "cpu"
-
-
-def _autocast_dtype(module: torch.nn.Module) -> str | None:
-    device = _device(module)
-    if torch.is_autocast_enabled(device):
-        return str(torch.get_autocast_dtype(device)).replace("torch.", "")
-    return None
-
-
-def _params_module(opt: torch.optim.Optimizer) -> torch.nn.Module:
-    """A module holding the optimizer's parameters (no root module was found)."""
-    holder = torch.nn.Module()
-    holder.params = torch.nn.ParameterList([p for g in opt.param_groups for p in g["params"]])
-    return holder
-
-
-def _update_forensics(opt: torch.optim.Optimizer | None, model: torch.nn.Module, corrupt: bool) -> dict[str, Any]:
-    """The optimizer's settings and, where an earlier update made weights non-finite, those parameters
-    with their optimizer state."""
-    if opt is None:
-        return {}
-    groups = []
-    for g in opt.param_groups:
-        groups.append({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else
-                           list(v) if isinstance(v, tuple) else v)
-                       for k, v in g.items() if k in ("lr", "eps", "weight_decay", "betas", "momentum")})
-    out: dict[str, Any] = {"optimizer": type(opt).__name__, "param_groups": groups}
-    if not corrupt:
-        return out
-    names = {id(q): n for n, q in model.named_parameters()}
-    bad = []
-    for gi, g in enumerate(opt.param_groups):
-        for q in g["params"]:
-            if bool(torch.isfinite(q.detach()).all()):
-                continue
-            row: dict[str, Any] = {"parameter": names.get(id(q), "?"), "group": gi,
-                                   "nonfinite": int((~torch.isfinite(q.detach())).sum())}
-            st = opt.state.get(q, {})
-            for key in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
-                v = st.get(key)
-                if isinstance(v, torch.Tensor):
-                    a = v.detach().float().abs()
-                    row[key] = {"min": float(a.min()), "max": float(a.max()), "zeros": int((a == 0).sum())}
-            if "step" in st:
-                row["step"] = float(st["step"])
-            bad.append(row)
-    out["nonfinite_parameters"] = bad
-    return out
-
-
-def _update_finding(upd: dict[str, Any], step: int) -> Finding:
-    bad = upd["nonfinite_parameters"]
-    first = bad[0]
-    group = upd["param_groups"][first["group"]] if upd.get("param_groups") else {}
-    lines = [f"the weights were non-finite before step {step}: the {upd.get('optimizer')} update of step "
-             f"{max(step - 1, 0)} made {len(bad)} parameter(s) non-finite, first {first['parameter']} "
-             f"({first['nonfinite']} values)",
-             "optimizer settings: " + ", ".join(f"{k}={v}" for k, v in group.items())]
-    v = first.get("exp_avg_sq")
-    if v is not None:
-        lines.append(f"its Adam second moment: min {v['min']:.3g}, max {v['max']:.3g}, {v['zeros']} zero(s)"
-                     + (f" with eps={group.get('eps')}" if "eps" in group else ""))
-    return Finding(cause=Cause.LR_SPIKE, confidence=0.6, phase=Phase.UPDATE,
-                   module=first["parameter"].rpartition(".")[0] or None, op=None, evidence=tuple(lines))
-
-
-# -- running the script -----------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _script_environment(kind: str, target: str, args: list[str]):
-    argv, path0 = list(sys.argv), sys.path[0] if sys.path else None
-    if kind == "script":
-        sys.argv = [target, *args]
-        folder = str(Path(target).resolve().parent)
-        if sys.path:
-            sys.path[0] = folder
-        else:
-            sys.path.insert(0, folder)
-    else:
-        sys.argv = [target, *args]
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-    try:
-        yield
-    finally:
-        sys.argv = argv
-        if path0 is not None and sys.path:
-            sys.path[0] = path0
-
-
-def _exit_code(code: Any) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, policy: str = "skip",
-          config: Any = None, dirpath: str | os.PathLike = "nanprobe-reports", entry: str | None = None,
-          check_every: int | None = None, max_reports: int = 1) -> WatchResult:
-    """Run ``python train.py ARGS`` (or ``python -m pkg.train ARGS``) in this process under the guard.
-
-    The script's output goes where it would; its exit code is the result's (an exception it raises is
-    printed as Python would, exit code 1). Bad steps are logged on the ``nanprobe.watch`` logger.
-    """
-    check_policy(policy, POLICIES, "--policy")
-    kind, target, args = parse_command(command)
-    cfg = resolve_config(config, "nanprobe watch", check_every=check_every)
-    if json_out is not None and str(json_out) == "-":
-        raise UsageError("--json - would mix the report with the script's output", "--json",
-                         "Give a file: --json report.json")
-    if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
-        raise UsageError(f"--max-reports {max_reports!r}", "nanprobe watch",
-                         "Give the number of bad steps to diagnose in-process (0: none, only capsules)")
-    watcher = Watcher(config=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports)
-    code = 0
-    error = None
-    with _script_environment(kind, target, args):
-        with watcher:
-            try:
-                if kind == "script":
-                    runpy.run_path(target, run_name="__main__")
-                else:
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
-            except SystemExit as exc:
-                code = _exit_code(exc.code)
-            except KeyboardInterrupt:
-                traceback.print_exc()
-                code = 130
-            except Stopped as exc:
-                error = exc.message
-                code = 1
-            except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
-                traceback.print_exc()
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-                code = 1
-            finally:
-                try:
-                    watcher.finish_at_exit()
-                except Stopped as exc:
-                    error = error or exc.message
-                    code = code or 1
-    written = None
-    if json_out is not None and watcher.events and watcher.events[0].report:
-        Path(json_out).write_text(Path(watcher.events[0].report).read_text())
-        written = str(json_out)
-    root = type(watcher.root).__name__ if watcher.root is not None else None
-    return WatchResult(argv=tuple(command), exit_code=code, steps=watcher.steps, events=tuple(watcher.events),
-                       root=root, json=written, error=error, notes=tuple(watcher.notes))
-
-
-__all__ = ["watch", "WatchResult", "Watcher", "ForwardStep", "find_loss", "parse_command", "POLICIES"]
+__all__ = ["Watcher", "POLICIES"]
