@@ -302,3 +302,33 @@ def test_an_integration_without_its_framework_says_so_in_one_line_and_exits_2(mo
     err = capsys.readouterr().err
     extra = module.rsplit(".", 1)[1]
     assert err.count("\n") == 1 and err.startswith("nanprobe: error: ") and f"pip install 'nanprobe[{extra}]'" in err
+
+
+def test_the_hooked_guards_sorted_window_judge_rules_as_the_replays_judge():
+    """The callbacks' judge keeps its windows sorted (a lookup per step, not a sort): same verdicts."""
+    import random
+
+    from nanprobe.config import load_config
+    from nanprobe.divergence import Judge
+    from nanprobe.hooked import judge_config
+    from nanprobe.hooked.guard import _SortedJudge
+    from nanprobe.report import StepRecord
+
+    cfg = judge_config(load_config())
+    rng = random.Random(0)
+    a, b = Judge(cfg), _SortedJudge(cfg)
+    verdicts = []
+    for step in range(400):
+        loss = rng.choice([rng.uniform(1, 2), rng.uniform(1, 2), rng.uniform(15, 40), float("nan")])
+        norm = rng.choice([rng.uniform(0.5, 1), rng.uniform(0.5, 1), rng.uniform(80, 300), float("inf")])
+        skipped = rng.random() < 0.05
+        record = StepRecord(step=step, loss=loss, grad_norm=norm, lr=None, update_ratio=None, finite=True,
+                            skipped=skipped)
+        verdict = a.judge(record, True)
+        assert b.judge(record, True) == verdict
+        verdicts.append(verdict[0].value)
+        if verdict[0].value == "finite":
+            a.add(record)
+            b.add(record)
+            assert b.sorted_losses == sorted(b.losses) and b.sorted_norms == sorted(b.norms)
+    assert {"finite", "spike", "nonfinite"} <= set(verdicts)   # every rule was exercised

@@ -24,12 +24,14 @@ do not reach the hooks (``busy``).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime as _dt
 import logging
 import math
 import os
 import shlex
+import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -108,7 +110,7 @@ class HookedGuard:
         self.max_reports = max_reports    # bad steps diagnosed in-process; later ones get a capsule and a line
         self.reports = 0
         self.logger = logging.getLogger(f"nanprobe.{command}")
-        self.judge = Judge(judge_config(self.cfg))
+        self.judge = _SortedJudge(judge_config(self.cfg))
         self.device_type = device_of(model).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
@@ -118,10 +120,11 @@ class HookedGuard:
         self.busy = False                 # nanprobe is rerunning a step: the hooks stand still
         self.consecutive = 0
         self.checks = 0
+        self._world: tuple[int, int] | None = None
         self._items: list[Any] = []
         self._rng_after: list[dict[str, Any]] = []
         self._checked = True              # the step in progress is checked (check_every)
-        self._loss: torch.Tensor | None = None
+        self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
         self._carried: dict[str, Any] = {}
         self._loop_settings: dict[str, Any] = {}   # the bad step's clipping and GradScaler, for its capsule
@@ -152,17 +155,15 @@ class HookedGuard:
         self._items.append(batch)
 
     def note_loss(self, loss: torch.Tensor, scale: torch.Tensor | float | None = None) -> None:
-        """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by)."""
+        """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by).
+        Kept detached; read back with the norm in the check's one sync."""
         if self.busy or not self._checked or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
-        d = loss.detach().float().reshape(())
-        if scale is not None:
-            d = d / scale
-        self._loss = d if self._loss is None else self._loss + d
+        self._losses.append((loss.detach(), scale))
 
     def reset(self) -> None:
         """The step is over (checked or not): drop what was captured for it."""
-        self._items, self._rng_after, self._loss = [], [], None
+        self._items, self._rng_after, self._losses = [], [], []
 
     # -- the check ------------------------------------------------------------------------------------
 
@@ -195,8 +196,10 @@ class HookedGuard:
             self._attrs = module_tensor_attrs(self.model)
         if norm is None:
             norm = total_norm(grads_of(optimizers))
-        rank, world = distributed()
-        loss_v, norm_v, others_bad = self._read(self._loss, norm, scaler_active, world > 1)
+        if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
+            self._world = distributed()
+        rank, world = self._world
+        loss_v, norm_v, others_bad = self._read(self._losses, norm, scaler_active, world > 1)
         lr = current_lr(optimizers)
         skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
         finite = (loss_v is None or math.isfinite(loss_v)) and (norm_v is None or math.isfinite(norm_v) or skipped)
@@ -221,48 +224,69 @@ class HookedGuard:
         cfg = self.judge.cfg
         t_loss = t_norm = math.inf
         if len(self.judge.losses) >= cfg.min_history:
-            med = _median(self.judge.losses)
+            med = self.judge.median(self.judge.sorted_losses)
             t_loss = med + (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12)
         if len(self.judge.norms) >= cfg.min_history:
-            med = _median(self.judge.norms)
+            med = self.judge.median(self.judge.sorted_norms)
             t_norm = cfg.grad_spike_factor * med if med > 0 else math.inf
         return t_loss, t_norm
 
-    def _read(self, loss: torch.Tensor | None, norm: torch.Tensor | None, scaler_active: bool,
-              dist: bool) -> tuple[float | None, float | None, bool]:
-        """Loss and norm to the host in one sync; under torch.distributed, the all-reduced bad flag too."""
-        parts: list[torch.Tensor] = []
-        device = loss.device if loss is not None else (norm.device if norm is not None else None)
-        if loss is not None:
-            parts.append(loss.float().reshape(1))
+    def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
+              scaler_active: bool, dist: bool) -> tuple[float | None, float | None, bool]:
+        """The step's losses (their sum), the norm and, under torch.distributed, the all-reduced bad flag
+        to the host in one sync: one ``stack`` and one ``tolist`` (few ops: each costs microseconds)."""
+        parts: list[torch.Tensor] = [t for t, _ in losses]
+        scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
+        parts += scales
         if norm is not None:
-            parts.append(norm.detach().float().reshape(1).to(device))
+            parts.append(norm.detach())
+        if not parts:
+            return None, None, bool(self._reduce_flag([], None, scaler_active).item()) if dist else False
+        device = parts[0].device
+        if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
+            parts = [t.float().reshape(()).to(device) for t in parts]
+        stacked = torch.stack(parts)
         if dist:
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) \
-                    if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-            t_loss, t_norm = self._thresholds()
-            bad = torch.zeros((), dtype=torch.bool, device=device)
-            if loss is not None:
-                lv = parts[0][0]
-                bad = bad | ~torch.isfinite(lv) | (lv > t_loss)
-            if norm is not None:
-                nv = parts[-1][0]
-                ok = torch.isfinite(nv)
-                bad = bad | (ok & (nv > t_norm))
-                if not scaler_active:
-                    bad = bad | ~ok
-            flag = bad.float().reshape(1)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            parts.append(flag)
-        values = torch.cat(parts).tolist() if parts else []   # the one device sync
-        i = 0
-        loss_v = norm_v = None
-        if loss is not None:
-            loss_v, i = values[0], 1
-        if norm is not None:
-            norm_v, i = values[i], i + 1
-        return loss_v, norm_v, bool(values[i] > 0) if dist else False
+            stacked = torch.cat([stacked, self._reduce_flag(losses, stacked[-1] if norm is not None else None,
+                                                            scaler_active)])
+        values = stacked.tolist()   # the one device sync
+        loss_v = None
+        it = iter(values[len(losses):len(losses) + len(scales)])
+        for (_, scale), v in zip(losses, values):   # float32 sums as torch adds them, exactly (see _f32)
+            if isinstance(scale, torch.Tensor):
+                v = _f32(v / next(it))
+            elif scale is not None:
+                v = _f32(v / scale)
+            loss_v = v if loss_v is None else _f32(loss_v + v)
+        norm_v = values[len(losses) + len(scales)] if norm is not None else None
+        return loss_v, norm_v, bool(values[-1] > 0) if dist else False
+
+    def _reduce_flag(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]],
+                     nv: torch.Tensor | None, scaler_active: bool) -> torch.Tensor:
+        """Bad on this rank (non-finite loss or gradient, a spike), all-reduced (MAX) across ranks: every
+        rank skips the step any rank saw."""
+        if losses:
+            device = losses[0][0].device
+        elif nv is not None:
+            device = nv.device
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        t_loss, t_norm = self._thresholds()
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        if losses:
+            lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
+                              for t, s in losses]).sum()
+            bad = bad | ~torch.isfinite(lv) | (lv > t_loss)
+        if nv is not None:
+            nv = nv.float().to(device)
+            ok = torch.isfinite(nv)
+            bad = bad | (ok & (nv > t_norm))
+            if not scaler_active:
+                bad = bad | ~ok
+        flag = bad.float().reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag
 
     def _weights_finite(self) -> bool:
         params = [p.detach() for p in self.model.parameters()]
@@ -439,10 +463,53 @@ class HookedGuard:
         return None
 
 
-def _median(values) -> float:
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+def _f32(x: float) -> float:
+    """x rounded to float32: a float64 sum of two float32 values is exact, so rounding it gives what a
+    float32 add gives (the loss the reruns report is a float32 sum of the same values)."""
+    if not math.isfinite(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:   # beyond float32's range: a float32 add gives inf
+        return math.copysign(math.inf, x)
+
+
+class _SortedJudge(Judge):
+    """The replay's Judge (same rules, same window) with each window also kept sorted, so the running
+    medians cost a lookup instead of a sort per step."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sorted_losses: list[float] = []
+        self.sorted_norms: list[float] = []
+
+    @staticmethod
+    def median(s: list[float]) -> float:
+        n = len(s)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+    def _spike(self, loss: float | None, norm: float | None) -> str | None:
+        cfg = self.cfg
+        if loss is not None and len(self.losses) >= cfg.min_history:
+            med = self.median(self.sorted_losses)
+            if loss - med > (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12):
+                times = f"{loss / med:.1f}x" if med > 0 else "inf x"
+                return f"loss spike: {loss:.4g} vs running median {med:.4g} ({times})"
+        if norm is not None and len(self.norms) >= cfg.min_history:
+            med = self.median(self.sorted_norms)
+            if med > 0 and norm > cfg.grad_spike_factor * med:
+                return f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)"
+        return None
+
+    def add(self, record: StepRecord) -> None:
+        for window, ordered, value, keep in ((self.losses, self.sorted_losses, record.loss, True),
+                                             (self.norms, self.sorted_norms, record.grad_norm, not record.skipped)):
+            if value is None or not math.isfinite(value) or not keep:
+                continue
+            if window.maxlen is not None and len(window) == window.maxlen:
+                del ordered[bisect.bisect_left(ordered, window[0])]
+            window.append(value)
+            bisect.insort(ordered, value)
 
 
 def _headline(report: Report | None, p: Pending) -> str:

@@ -54,6 +54,14 @@ def _closure_result():
     return Closure, ClosureResult
 
 
+def _lightning_module_class() -> type:
+    if _FRAMEWORK == "pytorch_lightning":  # pragma: no cover
+        from pytorch_lightning import LightningModule
+    else:
+        from lightning.pytorch import LightningModule
+    return LightningModule
+
+
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -165,12 +173,17 @@ class NanprobeCallback(_Base):
         self._guard: HookedGuard | None = None
         self._step: LightningStep | None = None
         self._stepped = False
+        self._deferred: torch.optim.Optimizer | None = None   # its check waits for Lightning's clipping
+        self._clip_plugin: Any = None
+        self._scaler_of: tuple[Any, torch.amp.GradScaler | None] | None = None
+        self._clip_check: tuple[Any, bool] | None = None   # (trainer, checked in clipping) for this fit
         self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
         self._batch_idx: list[int] = []
 
     # -- setup ------------------------------------------------------------------------------------------
 
     def _attach(self, trainer: Any, module: Any) -> HookedGuard:
+        self._install_clip(trainer)
         if self._guard is None or self._guard.model is not module:
             self._step = LightningStep(trainer, module)
             self._guard = HookedGuard(command="lightning", who="nanprobe (Lightning)", model=module,
@@ -190,8 +203,12 @@ class NanprobeCallback(_Base):
                          "accumulate": int(trainer.accumulate_grad_batches)}, "NanprobeCallback")
 
     def _scaler(self, trainer: Any) -> torch.amp.GradScaler | None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+        """The precision plugin's enabled GradScaler (looked up once per fit: a property chain per step costs)."""
+        if self._scaler_of is None or self._scaler_of[0] is not trainer:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            self._scaler_of = (trainer, scaler if isinstance(scaler, torch.amp.GradScaler) else None)
+        scaler = self._scaler_of[1]
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     # -- the hooks ------------------------------------------------------------------------------------
 
@@ -224,29 +241,81 @@ class NanprobeCallback(_Base):
         if g is None or g.busy or not g.in_step or self._current is None:
             return
         step, epoch = self._current
+        self._step.batch_idx[step] = tuple(self._batch_idx)
+        self._step.epoch[step] = epoch
+        self._stepped = True
+        if self._clips_by_norm(trainer, pl_module):
+            self._deferred = optimizer   # checked right after Lightning's clipping, with the norm it computes
+            return
+        self._check(trainer, optimizer, None)
+
+    def _check(self, trainer: Any, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> None:
+        g = self._guard
+        step, epoch = self._current
         accumulate = max(int(trainer.accumulate_grad_batches), 1)
         position = Position(step=step, epoch=epoch, index=self._batch_idx[0] // accumulate,
                             items=tuple(self._batch_idx))
-        self._step.batch_idx[step] = tuple(self._batch_idx)
-        self._step.epoch[step] = epoch
         scaler = self._scaler(trainer)
-        clip = trainer.gradient_clip_val if str(trainer.gradient_clip_algorithm or "norm") == "norm" else None
-        if g.check(step, [optimizer], scaler_active=scaler is not None, position=position,
+        clip = trainer.gradient_clip_val if norm is not None else None
+        if g.check(step, [optimizer], norm=norm, scaler_active=scaler is not None, position=position,
                    max_grad_norm=float(clip) if clip else None):
             skip_update([optimizer], scaler)
-        self._stepped = True
+
+    # -- the norm Lightning's clipping computes anyway ------------------------------------------------
+
+    def _clips_by_norm(self, trainer: Any, module: Any) -> bool:
+        """Lightning will clip this step's gradients by their global norm, through the precision plugin's
+        clip_grad_by_norm (the module keeps Lightning's own clipping hooks). Decided once per fit."""
+        if self._clip_check is not None and self._clip_check[0] is trainer:
+            return self._clip_check[1]
+        clips = False
+        if self._clip_plugin is not None and trainer.gradient_clip_val and \
+                str(trainer.gradient_clip_algorithm or "norm") == "norm":
+            base = _lightning_module_class()
+            clips = type(module).configure_gradient_clipping is base.configure_gradient_clipping and \
+                type(module).clip_gradients is base.clip_gradients
+        self._clip_check = (trainer, clips)
+        return clips
+
+    def _install_clip(self, trainer: Any) -> None:
+        """Wrap the precision plugin's clip_grad_by_norm (on the instance, during fit) to keep the norm
+        torch.nn.utils.clip_grad_norm_ returns and check the step there: gradients final, before the update."""
+        plugin = trainer.precision_plugin
+        if self._clip_plugin is plugin or not callable(getattr(plugin, "main_params", None)):
+            return
+        self._uninstall_clip()
+        callback = self
+
+        def clip_grad_by_norm(optimizer, clip_val):
+            norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+            if callback._deferred is optimizer:
+                callback._deferred = None
+                callback._check(trainer, optimizer, norm)
+            return norm
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self._clip_plugin = plugin
+
+    def _uninstall_clip(self) -> None:
+        plugin, self._clip_plugin = self._clip_plugin, None
+        if plugin is not None and "clip_grad_by_norm" in vars(plugin):
+            del plugin.clip_grad_by_norm
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         g = self._guard
         if g is None or g.busy or not self._stepped:
             return
         self._stepped = False
+        if self._deferred is not None:   # Lightning did not clip after all: the step went unchecked
+            self._deferred = None
+            g.reset()
         step, epoch = self._current or (int(trainer.global_step) - 1, int(trainer.current_epoch))
         self._step.batch_idx.pop(step, None)
         self._step.epoch.pop(step, None)
+        self._current = None
+        if g.pending is None:   # a good step
+            return
         with _global_step_at(trainer, step):   # the reruns see the trainer as the step did
             event = g.finish(extra={"global_step": step, "epoch": epoch, "framework": _version()})
-        self._current = None
         if event is None:
             return
         self.events.append(event)
@@ -259,6 +328,10 @@ class NanprobeCallback(_Base):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._guard is not None:
             self._guard.reset()
+        self._uninstall_clip()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._uninstall_clip()
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@
 
 While ``train()`` runs, the trainer's ``training_step`` is wrapped on the instance: each micro-batch
 (its inputs and ``num_items_in_batch``, the label-token count ``get_batch_samples`` computed over
-the whole accumulation window, the one the loss is normalised by) is noted with the RNG state,
-and after the last micro-batch the global gradient norm is taken (before clipping, unscaled).
+the whole accumulation window, the one the loss is normalised by) is noted with the RNG state and
+its loss; the global gradient norm is the one the Trainer's ``_clip_grad_norm`` / ``_get_grad_norm``
+return (before clipping, unscaled; wrapped on the instance too), else computed.
 ``on_pre_optimizer_step`` checks the step (one device sync); on the first bad step the update is
 skipped (gradients set to None: ``optimizer.step()`` changes nothing), the capsule is written, and
 in ``on_step_end`` the step is diagnosed in the training process with the Trainer's own step as the
@@ -152,6 +153,7 @@ class NanprobeCallback(_Base):
         self._step: TrainerStep | None = None
         self._original: Any = None
         self._norm: torch.Tensor | None = None
+        self._params: list[torch.nn.Parameter] = []
         self._stepped = False
         self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
         self._epoch = 0
@@ -173,7 +175,11 @@ class NanprobeCallback(_Base):
         self._uninstall()
         self._original = trainer.training_step
         trainer.training_step = self._training_step   # on the instance, for this train() call
+        for name in ("_clip_grad_norm", "_get_grad_norm"):   # the norm the Trainer computes each step anyway
+            if callable(getattr(trainer, name, None)):
+                setattr(trainer, name, self._keep_norm(getattr(trainer, name)))
         self._step = TrainerStep(trainer, self._original)
+        self._params = list(trainer.model.parameters())   # walked once: a module walk per step costs ~0.1 ms
         self._guard = HookedGuard(command="transformers", who="nanprobe (transformers)", model=trainer.model,
                                   build_target=partial(self._target, trainer), config=self.config,
                                   policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
@@ -186,8 +192,22 @@ class NanprobeCallback(_Base):
 
     def _uninstall(self) -> None:
         t = self._trainer
-        if t is not None and vars(t).get("training_step") == self._training_step:
+        if t is None:
+            return
+        if vars(t).get("training_step") == self._training_step:
             del t.training_step
+        for name in ("_clip_grad_norm", "_get_grad_norm"):
+            if getattr(vars(t).get(name), "_nanprobe", False):
+                delattr(t, name)
+
+    def _keep_norm(self, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            norm = original(*args, **kwargs)
+            if isinstance(norm, torch.Tensor) and self._guard is not None and not self._guard.busy:
+                self._norm = norm.detach()   # before clipping, unscaled (accelerate unscales first)
+            return norm
+        wrapper._nanprobe = True
+        return wrapper
 
     def _target(self, trainer: Any) -> Target:
         scaler = getattr(trainer.accelerator, "scaler", None)
@@ -220,13 +240,6 @@ class NanprobeCallback(_Base):
         loss = self._original(model, inputs, num_items_in_batch, *args, **kwargs)
         if live:
             g.note_loss(loss)
-            if t.accelerator.sync_gradients:   # the step's last micro-batch: the gradients are complete
-                norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
-                scaler = self._scaler()
-                if norm is not None and scaler is not None and scaler._scale is not None and \
-                        _stage(scaler, _unwrap_optimizer(t.optimizer)) != "unscaled":
-                    norm = norm / scaler._scale
-                self._norm = norm
         return loss
 
     # -- the callback events ----------------------------------------------------------------------------
@@ -246,6 +259,11 @@ class NanprobeCallback(_Base):
         position = Position(step=step, epoch=epoch, index=self._steps_in_epoch, items=tuple(self._items))
         scaler = self._scaler()
         norm, self._norm = self._norm, None
+        if norm is None:   # the Trainer computed none (older versions without clipping): the gradients are final
+            norm = total_norm([p.grad for p in self._params if p.grad is not None])
+            if norm is not None and scaler is not None and scaler._scale is not None and \
+                    _stage(scaler, opt) != "unscaled":
+                norm = norm / scaler._scale
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         if g.check(step, [opt], norm=norm, scaler_active=scaler is not None, position=position,
                    max_grad_norm=clip):
@@ -260,6 +278,8 @@ class NanprobeCallback(_Base):
         self._steps_in_epoch += 1
         step, epoch = self._current or (int(state.global_step) - 1, self._epoch)
         self._current = None
+        if g.pending is None:   # a good step
+            return None
         saved = state.global_step
         state.global_step = step   # the reruns see the trainer state as the step did
         try:

@@ -76,14 +76,18 @@ class Watcher:
 
     # -- install / remove --
     def __enter__(self) -> Watcher:
+        """Install the hooks and patches (again after an exit: the root module found before keeps its hooks)."""
         from torch.optim.lr_scheduler import LRScheduler
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         try:
             self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
             self._optimizer_hooks.append(register_optimizer_step_post_hook(self._opt_post))
-            self._module_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._any_pre))
-            self._module_hooks.append(torch.nn.modules.module.register_module_forward_hook(self._any_post,
-                                                                                          always_call=True))
+            if self.guard is None:
+                self._module_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._any_pre))
+                self._module_hooks.append(torch.nn.modules.module.register_module_forward_hook(self._any_post,
+                                                                                              always_call=True))
+            elif self.root is not None:
+                self._hook_root(self.root)
             self._patches.append(_Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
             self._patches.append(_Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
             self._patches.append(_Patch(torch.amp.GradScaler, "step",
@@ -143,8 +147,7 @@ class Watcher:
             self._make_guard(params_module(opt))
             return
         self._device_type = device_of_module(best)
-        self._root_hooks.append(best.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._root_hooks.append(best.register_forward_hook(self._root_post))
+        self._hook_root(best)
         self._make_guard(inner(best))
         for module, args, kwargs, autocast, rng, loss in first:
             if module is best:
@@ -153,6 +156,10 @@ class Watcher:
                 if rngs:   # the RNG as it was at that call, not now
                     rngs[-1] = dict(rngs[-1], **rng)
                 self._note_out(loss)
+
+    def _hook_root(self, root: torch.nn.Module) -> None:
+        self._root_hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._root_hooks.append(root.register_forward_hook(self._root_post))
 
     def _make_guard(self, model: torch.nn.Module) -> None:
         self.guard = HookedGuard(command="watch", who="nanprobe watch", model=model, build_target=self._target,
@@ -166,7 +173,9 @@ class Watcher:
     # -- the root's calls --
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.busy and torch.is_grad_enabled():
-            self._note_call(args, kwargs, autocast_dtype(module))
+            device = self._device_type
+            dtype = str(torch.get_autocast_dtype(device))[6:] if torch.is_autocast_enabled(device) else None
+            self._note_call(args, kwargs, dtype)
 
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         if not self.busy and torch.is_grad_enabled():
@@ -182,14 +191,14 @@ class Watcher:
         if loss is None:
             self._loss_missing = True
         else:
-            self._losses.append(loss.detach().float().reshape(()))
+            self._losses.append(loss.detach())
 
     # -- losses --
     def _note_loss(self, t: torch.Tensor) -> None:
         if self.guard is not None:
             self.guard.note_loss(t)
         elif self.root is None:
-            self._early_losses.append(t.detach().float().reshape(()))
+            self._early_losses.append(t.detach())
 
     def _wrap_backward(self, original):
         watcher = self
@@ -306,7 +315,8 @@ class Watcher:
         p = g.pending
         losses, missing = self._bad_losses
         total = None
-        for v in losses:
+        for v in losses:   # a float32 sum, as the forward rerun adds the losses
+            v = v.float().reshape(())
             total = v if total is None else total + v
         # fidelity: the forward rerun gives the root output's loss, not what the script backpropagated
         p.compare = dataclasses.replace(p.record, loss=None if missing or total is None else float(total),
