@@ -353,6 +353,44 @@ def scan_data_cmd(entry: EntryArg, limit: LimitOpt = None, precision: PrecisionO
     raise typer.Exit(result.exit_code)
 
 
+CommandArg = Annotated[Optional[list[str]], typer.Argument(metavar="-- python SCRIPT.py ARGS",
+                                                          help="The command to watch, after --: python train.py "
+                                                               "ARGS or python -m pkg.train ARGS.")]
+WatchPolicyOpt = Annotated[str, typer.Option("--policy", help="On a bad step: skip (the update; go on), raise "
+                                                              "(into the script), record (apply it anyway).")]
+DirOpt = Annotated[Path, typer.Option("--dir", metavar="DIR", help="Where capsules and JSON reports go.")]
+EntryOpt = Annotated[Optional[str], typer.Option("--entry", metavar="ENTRY",
+                                                 help="The ENTRY for the replay command (train.py:target).")]
+MaxReportsOpt = Annotated[int, typer.Option("--max-reports", metavar="N",
+                                            help="Bad steps diagnosed in-process (later ones: capsule and a line).")]
+
+
+@app.command("watch")
+@handles_errors
+def watch_cmd(command: CommandArg = None, json_out: JsonOpt = None, policy: WatchPolicyOpt = "skip",
+              dirpath: DirOpt = Path("nanprobe-reports"), entry: EntryOpt = None, max_reports: MaxReportsOpt = 1,
+              config: ConfigOpt = None, debug: DebugOpt = False) -> None:
+    """Run an unmodified script under the guard (global hooks); diagnose its first bad step in-process."""
+    import logging
+
+    from .watch import watch
+    cfg = config_from(config)
+    log = logging.getLogger("nanprobe.watch")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        result = watch(command or [], json_out=json_out, policy=policy, config=cfg, dirpath=dirpath, entry=entry,
+                       max_reports=max_reports)
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
+    if result.error and result.events and result.events[-1].action == "raised":
+        print(result.error, file=sys.stderr)
+    raise typer.Exit(result.exit_code)
+
+
 def _check_precision(precision: str | None, allowed=("fp32", "bf16", "fp16")) -> None:
     if precision is None:
         return

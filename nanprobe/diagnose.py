@@ -293,7 +293,7 @@ def mark_masked(t: StepTrace) -> None:
     """Forward events whose values never reached a non-finite loss were masked."""
     if t.trace is None or t.record is None:
         return
-    if math.isfinite(t.record.loss):
+    if t.record.loss is not None and math.isfinite(t.record.loss):   # None: the step_fn returned no loss
         for e in t.trace.events:
             if e.phase.value == "forward":
                 e.masked = True

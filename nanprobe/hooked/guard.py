@@ -1,0 +1,529 @@
+"""HookedGuard: nanprobe.Guard's semantics, driven by the hooks of a loop nanprobe does not run.
+
+The framework (or the user's script) calls forward, backward and ``optimizer.step()``; nanprobe
+sees the step through hooks and does what :class:`nanprobe.Guard` does in a user's own loop:
+
+* per micro-batch (:meth:`HookedGuard.micro`): the batch by reference and the RNG state when the
+  step reached it (the first one also copies persistent buffers such as BatchNorm statistics);
+* per backward (:meth:`HookedGuard.note_loss`): the loss, detached, no sync;
+* before the update (:meth:`HookedGuard.check`): the global gradient norm (foreach kernels) and
+  the loss read back in ONE device sync (under ``torch.distributed`` the bad flag is all-reduced in
+  that same sync, so every rank skips the same step), judged like a replayed step (non-finite
+  loss or gradient, loss / gradient-norm spikes, runs of GradScaler skips). A bad step's state
+  before it is copied and its capsule written there, and the caller skips the update
+  (:func:`skip_update`: gradients set to None make ``optimizer.step()`` change nothing);
+* after the framework finished the step (:meth:`HookedGuard.finish`): the bad step is diagnosed
+  in-process with the framework's own step as a ``step_fn`` (:func:`nanprobe.diagnose.diagnose_target`:
+  the instrumented rerun, the precision comparison, verified fixes, the fidelity check); the
+  framework's state after its step (scheduler, GradScaler, RNG) is put back afterwards, so
+  training goes on exactly as the framework left it, minus the update.
+
+Nothing here prints; the callers log one line per event. Steps nanprobe reruns while diagnosing
+do not reach the hooks (``busy``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import datetime as _dt
+import logging
+import math
+import os
+import shlex
+import struct
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import capsule as _capsule
+from ..batch import clone_batch
+from ..config import Config, load_config
+from ..divergence import Judge
+from ..errors import UsageError
+from ..feed import Position, Recorded
+from ..precision import device_of
+from ..replay import Reached, scheduler_info, storage_policy
+from ..report import Report, Status, StepRecord, dumps
+from ..state import RngTracker, Snapshot, module_tensor_attrs
+from ..step import Loop
+from ..target import Target
+from .events import POLICIES, HookEvent, check_policy, current_lr, distributed, grads_of, judge_config, shown, \
+    total_norm
+
+
+@dataclass(slots=True)
+class Pending:
+    """A bad step caught by check(), waiting for the framework to finish its step."""
+
+    step: int
+    status: Status
+    reason: str
+    local: bool
+    record: StepRecord
+    history: list[StepRecord]
+    loop: Loop
+    before: Snapshot | None           # None: this bad step is not diagnosed in-process (max_reports)
+    items: list[Any]
+    rng_after: list[dict[str, Any]]
+    position: Position | None
+    capsule: Path | None
+    capsule_note: str | None
+    corrupt: bool
+    rank: int
+    world: int
+    notes: list[str]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
+    compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
+
+
+class HookedGuard:
+    """The guard's checks, capsule and in-process diagnosis, driven by a framework's hooks.
+
+    ``build_target`` (called on a bad step only) returns the :class:`nanprobe.Target` whose
+    ``step_fn`` is the framework's own step, over the live objects.
+    """
+
+    def __init__(self, *, command: str, who: str, model: torch.nn.Module, build_target: Callable[[], Target],
+                 config: Config | None = None, policy: str = "skip", dirpath: str | os.PathLike = "nanprobe-reports",
+                 entry: str | None = None, allowed: Iterable[str] = POLICIES,
+                 on_bad: Callable[[Pending], None] | None = None,
+                 adjust: Callable[[Report, Pending], Report] | None = None, max_reports: int = 1):
+        self.command = command
+        self.who = who
+        self.cfg = config or load_config()
+        self.gcfg = self.cfg.guard
+        self.policy = check_policy(policy, allowed, who)
+        self.dirpath = Path(dirpath)
+        self.entry = entry
+        self.model = model
+        self.build_target = build_target
+        self.on_bad = on_bad              # a bad step was caught (its gradients are still there)
+        self.adjust = adjust              # the diagnosis is done: add to the report
+        if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
+            raise UsageError(f"max_reports={max_reports!r}", who, "Give the number of bad steps to diagnose "
+                                                                  "in-process (0: none, only capsules)")
+        self.max_reports = max_reports    # bad steps diagnosed in-process; later ones get a capsule and a line
+        self.reports = 0
+        self.logger = logging.getLogger(f"nanprobe.{command}")
+        self.judge = _SortedJudge(judge_config(self.cfg))
+        self.device_type = device_of(model).type
+        self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
+        self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
+        self.events: list[HookEvent] = []
+        self.capsules: list[Path] = []
+        self.pending: Pending | None = None
+        self.busy = False                 # nanprobe is rerunning a step: the hooks stand still
+        self.consecutive = 0
+        self.checks = 0
+        self._world: tuple[int, int] | None = None
+        self._items: list[Any] = []
+        self._rng_after: list[dict[str, Any]] = []
+        self._checked = True              # the step in progress is checked (check_every)
+        self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
+        self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
+        self._carried: dict[str, Any] = {}
+        self._loop_settings: dict[str, Any] = {}   # the bad step's clipping and GradScaler, for its capsule
+        self._buffers = [b for m in model.modules() for name, b in m._buffers.items()
+                         if b is not None and name not in m._non_persistent_buffers_set]
+        self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+
+    # -- capture --------------------------------------------------------------------------------------
+
+    @property
+    def in_step(self) -> bool:
+        return bool(self._items)
+
+    def micro(self, batch: Any, step: int) -> None:
+        """A micro-batch of step ``step`` is about to run (the first one starts the step)."""
+        if self.busy:
+            return
+        if not self._items:
+            self._checked = step % max(self.gcfg.check_every, 1) == 0
+            if self._checked:
+                self.rngs.begin_step()
+                if self._buffers:
+                    torch._foreach_copy_(self._shadow, self._buffers)
+                if self._attrs:
+                    self._carried = {qual: getattr(m, attr, None) for m, attr, qual in self._attrs}
+        if self._checked:
+            self._rng_after.append(self.rngs.capture())
+        self._items.append(batch)
+
+    def note_loss(self, loss: torch.Tensor, scale: torch.Tensor | float | None = None) -> None:
+        """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by).
+        Kept detached; read back with the norm in the check's one sync."""
+        if self.busy or not self._checked or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        self._losses.append((loss.detach(), scale))
+
+    def reset(self) -> None:
+        """The step is over (checked or not): drop what was captured for it."""
+        self._items, self._rng_after, self._losses = [], [], []
+
+    # -- the check ------------------------------------------------------------------------------------
+
+    def check(self, step: int, optimizers: list[torch.optim.Optimizer], *, norm: torch.Tensor | None = None,
+              scaler_active: bool = False, scale: float | None = None, position: Position | None = None,
+              max_grad_norm: float | None = None) -> bool:
+        """Judge the step before its update (one device sync). Returns True when the update must be
+        skipped (the caller calls :func:`skip_update`); a bad step is then pending until :meth:`finish`.
+        The step's capture ends here (the next :meth:`micro` starts the next step)."""
+        if self.busy:
+            return False
+        if not self._checked:
+            self.reset()
+            return False
+        try:
+            return self._check(step, optimizers, norm, scaler_active, scale, position, max_grad_norm)
+        finally:
+            self.reset()
+
+    def _check(self, step: int, optimizers: list[torch.optim.Optimizer], norm: torch.Tensor | None,
+               scaler_active: bool, scale: float | None, position: Position | None,
+               max_grad_norm: float | None) -> bool:
+        if self.pending is not None:   # a step whose finish() never came (the framework raised meanwhile)
+            if self.pending.before is not None:
+                self.pending.before.release()
+            self.pending = None
+        self.checks += 1
+        self.rngs.end_step()
+        if self._attrs is None:   # after the first forward: tensors modules keep as attributes
+            self._attrs = module_tensor_attrs(self.model)
+        if norm is None:
+            norm = total_norm(grads_of(optimizers))
+        if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
+            self._world = distributed()
+        rank, world = self._world
+        loss_v, norm_v, others_bad = self._read(self._losses, norm, scaler_active, world > 1)
+        lr = current_lr(optimizers)
+        skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
+        finite = (loss_v is None or math.isfinite(loss_v)) and (norm_v is None or math.isfinite(norm_v) or skipped)
+        record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=lr, update_ratio=None, finite=finite,
+                            skipped=skipped, scale=scale, epoch=position.epoch if position else None,
+                            index=position.index if position else None)
+        status, reason = self.judge.judge(record, params_finite=True)
+        local = True
+        if status is Status.FINITE and others_bad:
+            status, reason, local = Status.NONFINITE, "another rank saw a non-finite value or spike at this step", \
+                False
+        if status is Status.FINITE:
+            self.judge.add(record)
+            self.history.append(record)
+            self.consecutive = 0
+            return False
+        self._loop_settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler_active}
+        return self._bad(step, status, reason or "bad step", local, record, position, rank, world)
+
+    def _thresholds(self) -> tuple[float, float]:
+        """The judge's spike thresholds now (for the on-device flag all ranks reduce)."""
+        cfg = self.judge.cfg
+        t_loss = t_norm = math.inf
+        if len(self.judge.losses) >= cfg.min_history:
+            med = self.judge.median(self.judge.sorted_losses)
+            t_loss = med + (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12)
+        if len(self.judge.norms) >= cfg.min_history:
+            med = self.judge.median(self.judge.sorted_norms)
+            t_norm = cfg.grad_spike_factor * med if med > 0 else math.inf
+        return t_loss, t_norm
+
+    def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
+              scaler_active: bool, dist: bool) -> tuple[float | None, float | None, bool]:
+        """The step's losses (their sum), the norm and, under torch.distributed, the all-reduced bad flag
+        to the host in one sync: one ``stack`` and one ``tolist`` (few ops: each costs microseconds)."""
+        parts: list[torch.Tensor] = [t for t, _ in losses]
+        scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
+        parts += scales
+        if norm is not None:
+            parts.append(norm.detach())
+        if not parts:
+            return None, None, bool(self._reduce_flag([], None, scaler_active).item()) if dist else False
+        device = parts[0].device
+        if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
+            parts = [t.float().reshape(()).to(device) for t in parts]
+        stacked = torch.stack(parts)
+        if dist:
+            stacked = torch.cat([stacked, self._reduce_flag(losses, stacked[-1] if norm is not None else None,
+                                                            scaler_active)])
+        values = stacked.tolist()   # the one device sync
+        loss_v = None
+        it = iter(values[len(losses):len(losses) + len(scales)])
+        for (_, scale), v in zip(losses, values):   # float32 sums as torch adds them, exactly (see _f32)
+            if isinstance(scale, torch.Tensor):
+                v = _f32(v / next(it))
+            elif scale is not None:
+                v = _f32(v / scale)
+            loss_v = v if loss_v is None else _f32(loss_v + v)
+        norm_v = values[len(losses) + len(scales)] if norm is not None else None
+        return loss_v, norm_v, bool(values[-1] > 0) if dist else False
+
+    def _reduce_flag(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]],
+                     nv: torch.Tensor | None, scaler_active: bool) -> torch.Tensor:
+        """Bad on this rank (non-finite loss or gradient, a spike), all-reduced (MAX) across ranks: every
+        rank skips the step any rank saw."""
+        if losses:
+            device = losses[0][0].device
+        elif nv is not None:
+            device = nv.device
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        t_loss, t_norm = self._thresholds()
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        if losses:
+            lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
+                              for t, s in losses]).sum()
+            bad = bad | ~torch.isfinite(lv) | (lv > t_loss)
+        if nv is not None:
+            nv = nv.float().to(device)
+            ok = torch.isfinite(nv)
+            bad = bad | (ok & (nv > t_norm))
+            if not scaler_active:
+                bad = bad | ~ok
+        flag = bad.float().reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag
+
+    def _weights_finite(self) -> bool:
+        params = [p.detach() for p in self.model.parameters()]
+        return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+    def _bad(self, step: int, status: Status, reason: str, local: bool, record: StepRecord,
+             position: Position | None, rank: int, world: int) -> bool:
+        self.consecutive += 1
+        notes: list[str] = []
+        if self.policy != "record" and self._shadow:
+            torch._foreach_copy_(self._buffers, self._shadow)   # BatchNorm statistics as before the step
+        corrupt = not self._weights_finite()   # rare path: a sync here is fine
+        if corrupt:
+            local = True
+            reason = (f"{reason}, and the weights were already non-finite before this step: the optimizer update "
+                      f"of step {max(step - 1, 0)} made them so (skipping cannot undo an applied update)")
+        target = self.build_target()
+        loop = Loop(target, self.entry or f"<{self.command}>", target.precision)
+        loop.objects.storage = storage_policy(self.cfg.replay)
+        items = [clone_batch(b) for b in self._items]
+        rng_after = list(self._rng_after)
+        rng = rng_after[0] if rng_after else self.rngs.capture()
+        # a step only another rank saw is finite here: the rank that saw it diagnoses it
+        before = self._take_before(loop, rng) if local and self.reports < self.max_reports else None
+        if before is not None:
+            self.reports += 1
+        path = note = None
+        if not corrupt:
+            try:
+                path = self._write_capsule(loop, items, rng, rng_after, step, status, reason, record, position,
+                                           rank, world, local)
+            except OSError as exc:
+                note = f"capsule not written: {exc.strerror or exc}"
+        self.pending = Pending(step=step, status=status, reason=reason, local=local, record=record,
+                                history=list(self.history), loop=loop, before=before, items=items,
+                                rng_after=rng_after, position=position, capsule=path, capsule_note=note,
+                                corrupt=corrupt, rank=rank, world=world, notes=notes)
+        # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
+        self.history.append(record)
+        if self.on_bad is not None:
+            self.on_bad(self.pending)
+        return self.policy != "record"
+
+    def _take_before(self, loop: Loop, rng: dict[str, Any]) -> Snapshot:
+        """The state before the step: now (no update ran, buffers restored), with the step's start RNG
+        and the module attributes as the step found them."""
+        now = {qual: getattr(m, attr, None) for m, attr, qual in (self._attrs or ())}
+        try:
+            for m, attr, qual in self._attrs or ():
+                if qual in self._carried:
+                    setattr(m, attr, self._carried[qual])
+            return loop.objects.take(rng=rng)
+        finally:
+            for m, attr, qual in self._attrs or ():
+                setattr(m, attr, now[qual])
+
+    def _write_capsule(self, loop: Loop, items, rng, rng_after, step, status, reason, record, position, rank,
+                       world, local) -> Path | None:
+        limit = self.gcfg.max_capsules
+        if limit == 0 or (limit == 1 and self.capsules):
+            return None
+        target = loop.target
+        carried = {"attrs": {q: v for q, v in self._carried.items()
+                             if v is None or isinstance(v, (torch.Tensor, tuple, list))}} if self._carried else {}
+        pos = None if position is None else {"epoch": position.epoch, "index": position.index,
+                                             "items": list(position.items)}
+        data = _capsule.build(model=target.model, optimizers=[o for _, o in target.optimizers],
+                              schedulers=[s for _, s in target.schedulers],
+                              scalers=[s for _, s in loop.objects.scalers()], micro_batches=items, rng=rng,
+                              micro_rng=rng_after, step=step, precision=target.precision, status=status.value,
+                              reason=reason, record=_capsule.record_dict(record),
+                              history=[_capsule.record_dict(h) for h in self.history], entry=self.entry, rank=rank,
+                              world_size=world, local=local, position=pos, carried=carried, form=target.form,
+                              **self._loop_settings)
+        path = _capsule.write(data, self.dirpath)
+        self.capsules.append(path)
+        while len(self.capsules) > limit:   # keep the first capsule (the first bad step) and the newest
+            old = self.capsules.pop(1)
+            try:
+                old.unlink()
+            except OSError:
+                pass
+        return path
+
+    # -- after the framework's step: diagnose ---------------------------------------------------------
+
+    def finish(self, extra: Mapping[str, Any] | None = None) -> HookEvent | None:
+        """The framework finished the step: diagnose a pending bad step, write its report, say what
+        happens next. Returns the event (None for a good step)."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        report: Report | None = None
+        error = None
+        if p.before is not None:
+            try:
+                report = self._diagnose(p)
+                if self.adjust is not None:
+                    report = self.adjust(report, p)
+            except Exception as exc:  # noqa: BLE001 - the user's training must not die of nanprobe's diagnosis
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                self.logger.debug("in-process diagnosis failed", exc_info=True)
+            finally:
+                p.before.release()
+        why = None
+        if p.corrupt:
+            why = "the weights are non-finite"
+        elif self.policy == "raise":
+            why = "policy 'raise'"
+        elif self.policy != "record" and self.consecutive >= self.gcfg.max_consecutive_skips:
+            why = f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
+                  f"{self.gcfg.max_consecutive_skips}"
+        action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
+        command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} " \
+                  f"--capsule {shlex.quote(shown(p.capsule))}" if p.capsule else None
+        headline = _headline(report, p)
+        path = None
+        if report is not None:
+            path = self._write_report(report, p, action, command, extra)
+        event = HookEvent(step=p.step, status=p.status.value, reason=p.reason, action=action, local=p.local,
+                          headline=headline, capsule=str(p.capsule) if p.capsule else None,
+                          report=str(path) if path else None, command=command, rank=p.rank, loss=p.record.loss,
+                          grad_norm=p.record.grad_norm, diagnosis_error=error, why=why)
+        self.events.append(event)
+        return event
+
+    def _diagnose(self, p: Pending) -> Report:
+        from ..diagnose import diagnose_target
+        from ..entry import Loaded
+
+        loop = p.loop
+        target = loop.target
+        after = loop.objects.take()   # the framework's state after its step (scheduler, scaler, RNG)
+        grads = [(q, q.grad) for q in target.model.parameters()]
+        self.busy = True
+        try:
+            how = f"{self.who} in the training process: the live state before step {p.step}"
+            reached = Reached(step=p.step, recorded=Recorded(step=p.step, items=p.items, rng_after=p.rng_after,
+                                                             position=p.position),
+                              snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
+                              reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
+                              notes=list(p.notes), **scheduler_info(target))
+            loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
+                            path=None, lineno=None)
+            return diagnose_target(loaded, reached=reached, config=self.cfg, command=self.command)
+        finally:
+            after.restore(loop.objects)
+            for q, grad in grads:
+                q.grad = grad
+            after.release()
+            self.busy = False
+
+    def _write_report(self, report: Report, p: Pending, action: str, command: str | None,
+                      extra: Mapping[str, Any] | None) -> Path | None:
+        data = report.to_json()
+        data.update(p.extra)
+        data[self.command] = {"action": action, "policy": self.policy, "reason": p.reason, "local": p.local,
+                              "rank": p.rank, "world_size": p.world,
+                              "capsule": str(p.capsule) if p.capsule else None, "replay": command,
+                              **({"capsule_note": p.capsule_note} if p.capsule_note else {}), **dict(extra or {})}
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        stem = p.capsule.name[:-len(_capsule.SUFFIX)] if p.capsule else \
+            f"step{p.step:07d}-rank{p.rank}-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        for attempt in range(1000):
+            path = self.dirpath / (f"{stem}.json" if not attempt else f"{stem}-{attempt}.json")
+            try:
+                with open(path, "x") as fh:
+                    fh.write(dumps(data) + "\n")
+                return path
+            except FileExistsError:
+                continue
+            except OSError:
+                return None
+        return None
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32: a float64 sum of two float32 values is exact, so rounding it gives what a
+    float32 add gives (the loss the reruns report is a float32 sum of the same values)."""
+    if not math.isfinite(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:   # beyond float32's range: a float32 add gives inf
+        return math.copysign(math.inf, x)
+
+
+class _SortedJudge(Judge):
+    """The replay's Judge (same rules, same window) with each window also kept sorted, so the running
+    medians cost a lookup instead of a sort per step."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sorted_losses: list[float] = []
+        self.sorted_norms: list[float] = []
+
+    @staticmethod
+    def median(s: list[float]) -> float:
+        n = len(s)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+    def _spike(self, loss: float | None, norm: float | None) -> str | None:
+        cfg = self.cfg
+        if loss is not None and len(self.losses) >= cfg.min_history:
+            med = self.median(self.sorted_losses)
+            if loss - med > (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12):
+                times = f"{loss / med:.1f}x" if med > 0 else "inf x"
+                return f"loss spike: {loss:.4g} vs running median {med:.4g} ({times})"
+        if norm is not None and len(self.norms) >= cfg.min_history:
+            med = self.median(self.sorted_norms)
+            if med > 0 and norm > cfg.grad_spike_factor * med:
+                return f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)"
+        return None
+
+    def add(self, record: StepRecord) -> None:
+        for window, ordered, value, keep in ((self.losses, self.sorted_losses, record.loss, True),
+                                             (self.norms, self.sorted_norms, record.grad_norm, not record.skipped)):
+            if value is None or not math.isfinite(value) or not keep:
+                continue
+            if window.maxlen is not None and len(window) == window.maxlen:
+                del ordered[bisect.bisect_left(ordered, window[0])]
+            window.append(value)
+            bisect.insort(ordered, value)
+
+
+def _headline(report: Report | None, p: Pending) -> str:
+    from ..smoke import headline
+
+    if report is None:
+        if p.before is not None or not p.local:
+            return f"step {p.step}: {p.reason}"
+        return f"step {p.step}: {p.reason} (not diagnosed in-process: max_reports reached; replay the capsule)"
+    text = headline(report)
+    if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
+        text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"
+    return text
+
+
+
+__all__ = ["HookedGuard", "Pending"]

@@ -1,0 +1,37 @@
+"""One line in the user's trainer: `nanprobe.integrations.lightning.NanprobeCallback` for
+``lightning.Trainer``, `nanprobe.integrations.transformers.NanprobeCallback` for
+``transformers.Trainer`` (and ``nanprobe watch`` for scripts with their own loop).
+
+Each guards every optimizer step through the framework's hooks (:mod:`nanprobe.hooked`): one device
+sync per checked step; on the first bad step it skips the update, writes the capsule, diagnoses the
+step in the training process with the framework's own step as a ``step_fn``, writes the JSON report
+(the schema of ``nanprobe run --json``) into ``dirpath`` and logs one line naming the report and the
+replay command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """Import the framework, or stop with one line on stderr and exit code 2 (the extra to install)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        print(f"nanprobe: error: {what} needs {module.split('.')[0]}, which is not installed ({module}). "
+              f"Install it: pip install 'nanprobe[{extra}]'.", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def available(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["require", "available"]

@@ -1,0 +1,315 @@
+"""`NanprobeCallback` for ``transformers.Trainer``: the one line to add.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NanprobeCallback()])
+
+While ``train()`` runs, the trainer's ``training_step`` is wrapped on the instance: each micro-batch
+(its inputs and ``num_items_in_batch``, the label-token count ``get_batch_samples`` computed over
+the whole accumulation window, the one the loss is normalised by) is noted with the RNG state and
+its loss; the global gradient norm is the one the Trainer's ``_clip_grad_norm`` / ``_get_grad_norm``
+return (before clipping, unscaled; wrapped on the instance too), else computed.
+``on_pre_optimizer_step`` checks the step (one device sync); on the first bad step the update is
+skipped (gradients set to None: ``optimizer.step()`` changes nothing), the capsule is written, and
+in ``on_step_end`` the step is diagnosed in the training process with the Trainer's own step as the
+``step_fn`` (:class:`TrainerStep`), the JSON report goes into ``dirpath`` and one line is logged.
+Then ``policy``: ``skip``, ``stop`` (``control.should_training_stop``), ``raise``, ``record``.
+Steps are ``state.global_step`` values (the number of optimizer steps done before the step). The
+scheduler and ``global_step`` advance on a skipped step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..feed import MicroBatches, Position
+from ..hooked import POLICIES, HookedGuard, HookEvent, Stopped, check_policy, resolve_config, skip_update, total_norm
+from ..errors import UsageError
+from ..precision import Precision
+from ..target import Target, validate
+from . import require
+
+try:
+    from transformers import Trainer as _Trainer
+    from transformers import TrainerCallback as _Base
+except ImportError:
+    _Base = object
+    _Trainer = None
+
+logger = logging.getLogger("nanprobe.transformers")
+
+
+def _find_trainer() -> Any:
+    """The ``transformers.Trainer`` whose callback handler is calling us (callbacks get no reference)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if _Trainer is not None and isinstance(obj, _Trainer):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """accelerate's AcceleratedOptimizer -> the torch optimizer it drives (hooks live there)."""
+    seen = 0
+    while not type(opt).__module__.startswith("torch.") and hasattr(opt, "optimizer") and seen < 4:
+        opt = opt.optimizer
+        seen += 1
+    return opt
+
+
+def _precision(args: Any) -> Precision:
+    if getattr(args, "bf16", False):
+        return Precision.BF16
+    if getattr(args, "fp16", False):
+        return Precision.FP16
+    return Precision.FP32
+
+
+class TrainerStep:
+    """The Trainer's own optimizer step, as a nanprobe ``step_fn`` (``_inner_training_loop``'s body).
+
+    Gradients start empty; for each micro-batch of the step, the trainer's ``training_step`` (the
+    original, not nanprobe's wrapper) on ``trainer.model`` with the recorded ``num_items_in_batch``:
+    ``compute_loss`` under accelerate's autocast, the division by the accumulation count where the loss
+    is not normalised by label tokens, accelerate's ``backward`` (GradScaler scaling). Then clipping
+    and the gradient norm as the trainer computes them, ``optimizer.step()`` (accelerate's: unscale, skip
+    on inf), the LR scheduler unless the step was skipped, ``model.zero_grad()``. The model is called
+    without its DDP wrapper: a rerun on one rank runs no collective.
+    """
+
+    def __init__(self, trainer: Any, training_step: Any):
+        self.trainer = trainer
+        self.training_step = training_step
+
+    def __call__(self, model: torch.nn.Module, batch: Any, step: int) -> torch.Tensor | None:
+        t = self.trainer
+        micro = batch if isinstance(batch, MicroBatches) else [batch]
+        n = len(micro)
+        model = t.model
+        model.zero_grad(set_to_none=True)
+        state = t.accelerator.gradient_state
+        saved_sync = state.sync_gradients
+        saved_ga = getattr(t, "current_gradient_accumulation_steps", None)
+        t.current_gradient_accumulation_steps = n
+        total = None
+        try:
+            for j, item in enumerate(micro):
+                state._set_sync_gradients(j == n - 1)
+                loss = self.training_step(model, item["inputs"], item.get("num_items_in_batch"))
+                loss = loss.detach()
+                total = loss if total is None else total + loss
+            grad_norm = None
+            if t.args.max_grad_norm is not None and t.args.max_grad_norm > 0:
+                grad_norm = t._clip_grad_norm(model)
+            if hasattr(t, "_get_grad_norm"):
+                t._get_grad_norm(model, grad_norm=grad_norm)
+            t.optimizer.step()
+            sched = t.lr_scheduler
+            if sched is not None and not t.accelerator.optimizer_step_was_skipped and \
+                    not isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched.step()
+            model.zero_grad()
+        finally:
+            state._set_sync_gradients(saved_sync)
+            if saved_ga is not None:
+                t.current_gradient_accumulation_steps = saved_ga
+        return total
+
+
+class NanprobeCallback(_Base):
+    """Guard every optimizer step of a ``transformers.Trainer`` run; diagnose the first bad one in-process.
+
+    ``dirpath``: where the capsule and the JSON report go. ``policy``: ``skip`` (default), ``stop``
+    (``control.should_training_stop``), ``raise`` (:class:`nanprobe.hooked.Stopped` out of ``train()``),
+    ``record`` (the update is applied). ``entry`` makes the logged replay command complete. ``config``:
+    a nanprobe Config, a YAML path or a dict of sections; ``check_every`` overrides
+    ``guard.check_every``. ``max_reports``: bad steps diagnosed in-process (later ones get their capsule and
+    a line). ``events`` lists what happened.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike = "nanprobe-reports", policy: str = "skip", *,
+                 entry: str | None = None, config: Any = None, check_every: int | None = None,
+                 max_reports: int = 1):
+        if _Trainer is None:
+            require("transformers", "transformers", "nanprobe.integrations.transformers.NanprobeCallback")
+        check_policy(policy, POLICIES, "NanprobeCallback(policy=...)")
+        self.dirpath = dirpath
+        self.policy = policy
+        self.entry = entry
+        self.max_reports = max_reports
+        self.config = resolve_config(config, "NanprobeCallback(config=...)", check_every=check_every)
+        self.events: list[HookEvent] = []
+        self._trainer: Any = None
+        self._guard: HookedGuard | None = None
+        self._step: TrainerStep | None = None
+        self._original: Any = None
+        self._norm: torch.Tensor | None = None
+        self._params: list[torch.nn.Parameter] = []
+        self._stepped = False
+        self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
+        self._epoch = 0
+        self._steps_in_epoch = 0       # optimizer steps done in the current epoch
+        self._items_in_epoch = 0       # micro-batches seen in the current epoch
+        self._items: list[int] = []
+
+    # -- setup ------------------------------------------------------------------------------------------
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._trainer = _find_trainer()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _find_trainer() or self._trainer
+        if trainer is None:
+            raise UsageError("NanprobeCallback found no transformers.Trainer calling it", "on_train_begin",
+                             "Pass it to Trainer(callbacks=[NanprobeCallback()]) or trainer.add_callback()")
+        self._trainer = trainer
+        self._uninstall()
+        self._original = trainer.training_step
+        trainer.training_step = self._training_step   # on the instance, for this train() call
+        for name in ("_clip_grad_norm", "_get_grad_norm"):   # the norm the Trainer computes each step anyway
+            if callable(getattr(trainer, name, None)):
+                setattr(trainer, name, self._keep_norm(getattr(trainer, name)))
+        self._step = TrainerStep(trainer, self._original)
+        self._params = list(trainer.model.parameters())   # walked once: a module walk per step costs ~0.1 ms
+        self._guard = HookedGuard(command="transformers", who="nanprobe (transformers)", model=trainer.model,
+                                  build_target=partial(self._target, trainer), config=self.config,
+                                  policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
+                                      max_reports=self.max_reports)
+        self._epoch = int(math.floor(state.epoch or 0)) - 1   # on_epoch_begin counts it up
+        self._steps_in_epoch = self._items_in_epoch = 0
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        t = self._trainer
+        if t is None:
+            return
+        if vars(t).get("training_step") == self._training_step:
+            del t.training_step
+        for name in ("_clip_grad_norm", "_get_grad_norm"):
+            if getattr(vars(t).get(name), "_nanprobe", False):
+                delattr(t, name)
+
+    def _keep_norm(self, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            norm = original(*args, **kwargs)
+            if isinstance(norm, torch.Tensor) and self._guard is not None and not self._guard.busy:
+                self._norm = norm.detach()   # before clipping, unscaled (accelerate unscales first)
+            return norm
+        wrapper._nanprobe = True
+        return wrapper
+
+    def _target(self, trainer: Any) -> Target:
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        sched = trainer.lr_scheduler
+        return validate({"model": trainer.model, "step_fn": self._step, "batches": [],
+                         "optimizer": _unwrap_optimizer(trainer.optimizer),
+                         "scheduler": sched if callable(getattr(sched, "step", None)) else None,
+                         "grad_scaler": scaler if isinstance(scaler, torch.amp.GradScaler) else False,
+                         "precision": _precision(trainer.args),
+                         "accumulate": int(trainer.args.gradient_accumulation_steps)}, "NanprobeCallback")
+
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        scaler = getattr(self._trainer.accelerator, "scaler", None)
+        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+    # -- the wrapped training_step ------------------------------------------------------------------------
+
+    def _training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None, *args: Any,
+                       **kwargs: Any) -> torch.Tensor:
+        g, t = self._guard, self._trainer
+        live = g is not None and not g.busy
+        if live:
+            if not g.in_step:
+                self._current = (int(t.state.global_step), self._epoch)
+                self._items = []
+            self._items.append(self._items_in_epoch)
+            self._items_in_epoch += 1
+            g.micro({"inputs": dict(inputs) if isinstance(inputs, dict) else inputs,
+                     "num_items_in_batch": num_items_in_batch}, self._current[0])
+        loss = self._original(model, inputs, num_items_in_batch, *args, **kwargs)
+        if live:
+            g.note_loss(loss)
+        return loss
+
+    # -- the callback events ----------------------------------------------------------------------------
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._epoch += 1
+        self._steps_in_epoch = self._items_in_epoch = 0
+        if self._guard is not None and not self._guard.busy:
+            self._guard.reset()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        g = self._guard
+        if g is None or g.busy or not g.in_step or self._current is None:
+            return
+        step, epoch = self._current
+        opt = _unwrap_optimizer(self._trainer.optimizer)
+        position = Position(step=step, epoch=epoch, index=self._steps_in_epoch, items=tuple(self._items))
+        scaler = self._scaler()
+        norm, self._norm = self._norm, None
+        if norm is None:   # the Trainer computed none (older versions without clipping): the gradients are final
+            norm = total_norm([p.grad for p in self._params if p.grad is not None])
+            if norm is not None and scaler is not None and scaler._scale is not None and \
+                    _stage(scaler, opt) != "unscaled":
+                norm = norm / scaler._scale
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        if g.check(step, [opt], norm=norm, scaler_active=scaler is not None, position=position,
+                   max_grad_norm=clip):
+            skip_update([opt], scaler)
+        self._stepped = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        g = self._guard
+        if g is None or g.busy or not self._stepped:
+            return None
+        self._stepped = False
+        self._steps_in_epoch += 1
+        step, epoch = self._current or (int(state.global_step) - 1, self._epoch)
+        self._current = None
+        if g.pending is None:   # a good step
+            return None
+        saved = state.global_step
+        state.global_step = step   # the reruns see the trainer state as the step did
+        try:
+            event = g.finish(extra={"global_step": step, "epoch": epoch, "framework": _version()})
+        finally:
+            state.global_step = saved
+        if event is None:
+            return None
+        self.events.append(event)
+        logger.warning(event.line("nanprobe (transformers)"))
+        if event.action == "raised":
+            raise Stopped(event, event.why or "")
+        if event.action == "stopped":
+            control.should_training_stop = True
+        return control
+
+
+def _stage(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> str:
+    state = scaler._per_optimizer_states.get(id(opt))
+    stage = state.get("stage") if state else None
+    return getattr(stage, "name", "READY").lower()
+
+
+def _version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return f"transformers {md.version('transformers')}"
+    except md.PackageNotFoundError:  # pragma: no cover
+        return "transformers"
+
+
+__all__ = ["NanprobeCallback", "TrainerStep"]

@@ -1,0 +1,142 @@
+"""What `nanprobe watch` reruns and reports without the script's loss_fn: the root module's forward on
+the captured inputs (and its backward when the output holds the loss), the update's forensics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..feed import MicroBatches
+from ..report import Cause, Finding, Phase
+
+
+def find_loss(out: Any) -> torch.Tensor | None:
+    """The scalar loss a forward returned: the output itself, ``.loss``, ``["loss"]``, or the one
+    floating scalar (with a graph) in a tuple/list."""
+    def scalar(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and t.requires_grad
+    if scalar(out):
+        return out
+    loss = getattr(out, "loss", None) if not isinstance(out, (dict, tuple, list, torch.Tensor)) else None
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if scalar(loss):
+        return loss
+    if isinstance(out, (tuple, list)):
+        found = [t for t in out if scalar(t)]
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
+def batch_of(args: tuple, kwargs: dict, autocast: str | None) -> dict[str, Any]:
+    return {"args": tuple(args), "kwargs": dict(kwargs), "autocast": autocast}
+
+
+class ForwardStep:
+    """What ``watch`` reruns without the script's loss_fn: the root module's forward on the captured
+    inputs, under the autocast dtype the script used, and its backward when the output holds the loss.
+    No optimizer step: the update is the script's."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def __call__(self, model: torch.nn.Module, batch: Any, step: int) -> torch.Tensor | None:
+        micro = batch if isinstance(batch, MicroBatches) else [batch]
+        total = None
+        for item in micro:
+            if not isinstance(item, dict):   # a step in which the root module was not called
+                continue
+            dtype = item.get("autocast")
+            ctx = torch.autocast(self.device_type, dtype=getattr(torch, dtype)) if dtype else \
+                torch.autocast(self.device_type, enabled=False)
+            with torch.enable_grad():
+                with ctx:
+                    out = model(*item["args"], **item["kwargs"])
+                loss = find_loss(out)
+                if loss is not None:
+                    loss.backward()
+            if loss is not None:
+                d = loss.detach().float()
+                total = d if total is None else total + d
+        return total
+
+
+def inner(module: torch.nn.Module) -> torch.nn.Module:
+    from ..capsule import unwrap
+    return unwrap(module)
+
+
+def device_of_module(module: torch.nn.Module) -> str:
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def autocast_dtype(module: torch.nn.Module) -> str | None:
+    device = device_of_module(module)
+    if torch.is_autocast_enabled(device):
+        return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    return None
+
+
+def params_module(opt: torch.optim.Optimizer) -> torch.nn.Module:
+    """A module holding the optimizer's parameters (no root module was found)."""
+    holder = torch.nn.Module()
+    holder.params = torch.nn.ParameterList([p for g in opt.param_groups for p in g["params"]])
+    return holder
+
+
+def update_forensics(opt: torch.optim.Optimizer | None, model: torch.nn.Module, corrupt: bool) -> dict[str, Any]:
+    """The optimizer's settings and, where an earlier update made weights non-finite, those parameters
+    with their optimizer state."""
+    if opt is None:
+        return {}
+    groups = []
+    for g in opt.param_groups:
+        groups.append({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else
+                           list(v) if isinstance(v, tuple) else v)
+                       for k, v in g.items() if k in ("lr", "eps", "weight_decay", "betas", "momentum")})
+    out: dict[str, Any] = {"optimizer": type(opt).__name__, "param_groups": groups}
+    if not corrupt:
+        return out
+    names = {id(q): n for n, q in model.named_parameters()}
+    bad = []
+    for gi, g in enumerate(opt.param_groups):
+        for q in g["params"]:
+            if bool(torch.isfinite(q.detach()).all()):
+                continue
+            row: dict[str, Any] = {"parameter": names.get(id(q), "?"), "group": gi,
+                                   "nonfinite": int((~torch.isfinite(q.detach())).sum())}
+            st = opt.state.get(q, {})
+            for key in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
+                v = st.get(key)
+                if isinstance(v, torch.Tensor):
+                    a = v.detach().float().abs()
+                    row[key] = {"min": float(a.min()), "max": float(a.max()), "zeros": int((a == 0).sum())}
+            if "step" in st:
+                row["step"] = float(st["step"])
+            bad.append(row)
+    out["nonfinite_parameters"] = bad
+    return out
+
+
+def update_finding(upd: dict[str, Any], step: int) -> Finding:
+    bad = upd["nonfinite_parameters"]
+    first = bad[0]
+    group = upd["param_groups"][first["group"]] if upd.get("param_groups") else {}
+    lines = [f"the weights were non-finite before step {step}: the {upd.get('optimizer')} update of step "
+             f"{max(step - 1, 0)} made {len(bad)} parameter(s) non-finite, first {first['parameter']} "
+             f"({first['nonfinite']} values)",
+             "optimizer settings: " + ", ".join(f"{k}={v}" for k, v in group.items())]
+    v = first.get("exp_avg_sq")
+    if v is not None:
+        lines.append(f"its Adam second moment: min {v['min']:.3g}, max {v['max']:.3g}, {v['zeros']} zero(s)"
+                     + (f" with eps={group.get('eps')}" if "eps" in group else ""))
+    return Finding(cause=Cause.LR_SPIKE, confidence=0.6, phase=Phase.UPDATE,
+                   module=first["parameter"].rpartition(".")[0] or None, op=None, evidence=tuple(lines))
+
+
+__all__ = ["ForwardStep", "find_loss", "batch_of", "update_forensics", "update_finding", "inner",
+           "device_of_module", "autocast_dtype", "params_module"]

@@ -1,0 +1,394 @@
+"""The Watcher: global hooks and scoped patches that guard a script's training (see nanprobe.watch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from ..config import Config
+from ..feed import Position
+from ..hooked import HookedGuard, HookEvent, Stopped, skip_update, total_norm
+from ..hooked.guard import Pending
+from ..precision import Precision
+from ..report import Cause, Report, Status
+from ..state import capture_rng
+from ..target import Target, validate
+from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, inner, params_module,
+                      update_finding, update_forensics)
+
+POLICIES = ("skip", "raise", "record")
+
+logger = logging.getLogger("nanprobe.watch")
+
+
+class _Patch:
+    __slots__ = ("obj", "name", "original")
+
+    def __init__(self, obj: Any, name: str, value: Any):
+        self.obj, self.name = obj, name
+        self.original = getattr(obj, name)
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        setattr(self.obj, self.name, self.original)
+
+
+class Watcher:
+    """Global hooks and scoped patches that guard the script's training (see the module docstring)."""
+
+    def __init__(self, *, config: Config, policy: str, dirpath: str | os.PathLike, entry: str | None,
+                 max_reports: int = 1):
+        self.cfg = config
+        self.max_reports = max_reports
+        self.policy = policy
+        self.dirpath = dirpath
+        self.entry = entry
+        self.guard: HookedGuard | None = None
+        self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
+        self.root: torch.nn.Module | None = None
+        self.steps = 0
+        self.events: list[HookEvent] = []
+        self.notes: list[str] = []
+        self.schedulers: weakref.WeakSet = weakref.WeakSet()
+        self._optimizer_hooks: list[Any] = []
+        self._module_hooks: list[Any] = []        # global, first step only
+        self._root_hooks: list[Any] = []
+        self._patches: list[_Patch] = []
+        self._depth = 0
+        self._first: list[list[Any]] = []   # step 0's top-level calls: [module, args, kwargs, autocast, rng, loss]
+        self._early_losses: list[torch.Tensor] = []   # backpropagated before the guard existed (step 0)
+        self._losses: list[torch.Tensor] = []     # the root output's loss per call in the step
+        self._loss_missing = False
+        self._bad_losses: tuple[list[torch.Tensor], bool] = ([], True)   # the same, of the pending bad step
+        self._scaled: set[int] = set()            # ids of GradScaler.scale outputs (noted unscaled already)
+        self._checked = False                     # this step was checked already (in GradScaler.step)
+        self._in_scaler_step = False              # inside the guarded optimizer's GradScaler.step
+        self._scaler: torch.amp.GradScaler | None = None
+        self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
+        self._device_type = "cpu"
+
+    # -- install / remove --
+    def __enter__(self) -> Watcher:
+        """Install the hooks and patches (again after an exit: the root module found before keeps its hooks)."""
+        from torch.optim.lr_scheduler import LRScheduler
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        try:
+            self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
+            self._optimizer_hooks.append(register_optimizer_step_post_hook(self._opt_post))
+            if self.guard is None:
+                self._module_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._any_pre))
+                self._module_hooks.append(torch.nn.modules.module.register_module_forward_hook(self._any_post,
+                                                                                              always_call=True))
+            elif self.root is not None:
+                self._hook_root(self.root)
+            self._patches.append(_Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+            self._patches.append(_Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
+            self._patches.append(_Patch(torch.amp.GradScaler, "step",
+                                        self._wrap_scaler_step(torch.amp.GradScaler.step)))
+            self._patches.append(_Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__)))
+            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
+            self._patches.append(_Patch(torch.nn.utils, "clip_grad_norm_", clip))
+            self._patches.append(_Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in reversed(self._patches):
+            p.undo()
+        for h in self._optimizer_hooks + self._module_hooks + self._root_hooks:
+            h.remove()
+        self._patches, self._optimizer_hooks, self._module_hooks, self._root_hooks = [], [], [], []
+
+    @property
+    def busy(self) -> bool:
+        return self.guard is not None and self.guard.busy
+
+    # -- finding the root module in the first step --
+    def _any_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.root is not None:
+            return
+        if self._depth == 0 and torch.is_grad_enabled():
+            rng = capture_rng(device_of_module(module), host=False)
+            self._first.append([module, args, {}, autocast_dtype(module), rng, None])
+        self._depth += 1
+
+    def _any_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
+        if self.root is not None:
+            return
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0 and self._first and self._first[-1][0] is module:
+            self._first[-1][5] = find_loss(out)
+
+    def _pick_root(self, opt: torch.optim.Optimizer) -> None:
+        for h in self._module_hooks:   # a Python call per module call: from now on only the root has hooks
+            h.remove()
+        self._module_hooks = []
+        params = {id(p) for g in opt.param_groups for p in g["params"]}
+        modules = list(dict.fromkeys(call[0] for call in self._first))
+        best = next((m for m in modules if params <= {id(p) for p in m.parameters()}), None)
+        if best is None and modules:   # no single call holds all the optimizer's parameters
+            best = max(modules, key=lambda m: len(params & {id(p) for p in m.parameters()}))
+            self.notes.append("no module called in the first step holds all of the optimizer's parameters; "
+                              f"the root is {type(best).__name__}")
+        self.root = best
+        first, self._first = self._first, []
+        if best is None:
+            self.notes.append("no module was called with gradients enabled before the first optimizer step: "
+                              "no inputs to rerun")
+            self._make_guard(params_module(opt))
+            return
+        self._device_type = device_of_module(best)
+        self._hook_root(best)
+        self._make_guard(inner(best))
+        for module, args, kwargs, autocast, rng, loss in first:
+            if module is best:
+                self._note_call(args, kwargs, autocast)
+                rngs = self.guard._rng_after
+                if rngs:   # the RNG as it was at that call, not now
+                    rngs[-1] = dict(rngs[-1], **rng)
+                self._note_out(loss)
+
+    def _hook_root(self, root: torch.nn.Module) -> None:
+        self._root_hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._root_hooks.append(root.register_forward_hook(self._root_post))
+
+    def _make_guard(self, model: torch.nn.Module) -> None:
+        self.guard = HookedGuard(command="watch", who="nanprobe watch", model=model, build_target=self._target,
+                                 config=self.cfg, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
+                                 allowed=POLICIES, on_bad=self._on_bad, adjust=self._adjust,
+                                 max_reports=self.max_reports)
+        for loss in self._early_losses:
+            self.guard.note_loss(loss)
+        self._early_losses = []
+
+    # -- the root's calls --
+    def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.busy and torch.is_grad_enabled():
+            device = self._device_type
+            dtype = str(torch.get_autocast_dtype(device))[6:] if torch.is_autocast_enabled(device) else None
+            self._note_call(args, kwargs, dtype)
+
+    def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
+        if not self.busy and torch.is_grad_enabled():
+            self._note_out(find_loss(out))
+
+    def _note_call(self, args: tuple, kwargs: dict, autocast: str | None) -> None:
+        g = self.guard
+        if not g.in_step:
+            self._losses, self._loss_missing = [], False
+        g.micro(batch_of(args, kwargs, autocast), self.steps)
+
+    def _note_out(self, loss: torch.Tensor | None) -> None:
+        if loss is None:
+            self._loss_missing = True
+        else:
+            self._losses.append(loss.detach())
+
+    # -- losses --
+    def _note_loss(self, t: torch.Tensor) -> None:
+        if self.guard is not None:
+            self.guard.note_loss(t)
+        elif self.root is None:
+            self._early_losses.append(t.detach())
+
+    def _wrap_backward(self, original):
+        watcher = self
+
+        def backward(tensors, *args, **kwargs):
+            if not watcher.busy:
+                for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in watcher._scaled:
+                        watcher._note_loss(t)
+            return original(tensors, *args, **kwargs)
+        return backward
+
+    def _wrap_scale(self, original):
+        watcher = self
+
+        def scale(scaler, outputs):
+            out = original(scaler, outputs)
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and not watcher.busy:
+                watcher._scaled.add(id(out))
+                watcher._note_loss(outputs)
+            return out
+        return scale
+
+    def _wrap_scaler_step(self, original):
+        watcher = self
+
+        def step(scaler, optimizer, *args, **kwargs):
+            guarded = not watcher.busy and scaler.is_enabled() and \
+                (watcher.optimizer is None or optimizer is watcher.optimizer) and "closure" not in kwargs
+            if not guarded:
+                return original(scaler, optimizer, *args, **kwargs)
+            if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                scaler.unscale_(optimizer)   # what step() does first: the check sees unscaled gradients
+            watcher._scaler = scaler
+            try:
+                watcher._check(optimizer)
+            finally:
+                watcher._scaler = None
+            watcher._checked = watcher._in_scaler_step = True
+            try:
+                out = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                watcher._in_scaler_step = False
+            watcher._step_done()   # also when the scaler skipped optimizer.step(): the script's step is over
+            return out
+        return step
+
+    def _wrap_clip(self, original):
+        watcher = self
+
+        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+            norm = original(parameters, max_norm, *args, **kwargs)
+            if not watcher.busy and isinstance(norm, torch.Tensor):
+                watcher._clip = (norm.detach(), float(max_norm))
+            return norm
+        return clip_grad_norm_
+
+    def _wrap_sched_init(self, original):
+        watcher = self
+
+        def __init__(sched, *args, **kwargs):
+            original(sched, *args, **kwargs)
+            watcher.schedulers.add(sched)
+        return __init__
+
+    # -- the optimizer step --
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.busy:
+            return
+        if self.optimizer is None:
+            self.optimizer = opt
+        if opt is self.optimizer and not self._checked:
+            self._check(opt)
+
+    def _check(self, opt: torch.optim.Optimizer) -> None:
+        if self.optimizer is None:
+            self.optimizer = opt
+        if self.guard is None:
+            self._pick_root(opt)
+        g = self.guard
+        if g.pending is not None:   # a bad step whose end was never seen: diagnose it now
+            self._finish()
+        if not g.in_step:   # no root call captured in this step
+            self._losses, self._loss_missing = [], True
+            g.micro(None, self.steps)
+        scaler = self._scaler
+        position = Position(step=self.steps, epoch=None, index=self.steps, items=())
+        clip, self._clip = self._clip, None
+        if clip is not None:   # the script clipped: its norm is the one before clipping (and costs nothing)
+            norm, max_norm = clip
+        else:
+            norm, max_norm = total_norm([p.grad for grp in opt.param_groups for p in grp["params"]
+                                         if p.grad is not None]), None
+        if g.check(self.steps, [opt], norm=norm, scaler_active=scaler is not None, position=position,
+                   max_grad_norm=max_norm):
+            skip_update([opt], scaler)
+        if g.pending is not None and g.pending.step == self.steps:
+            self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.busy or opt is not self.optimizer or self._in_scaler_step:
+            return
+        self._step_done()
+
+    def _step_done(self) -> None:
+        self._checked = False
+        self._scaled.clear()
+        self.steps += 1
+        if self.guard is not None and self.guard.pending is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        g = self.guard
+        p = g.pending
+        losses, missing = self._bad_losses
+        total = None
+        for v in losses:   # a float32 sum, as the forward rerun adds the losses
+            v = v.float().reshape(())
+            total = v if total is None else total + v
+        # fidelity: the forward rerun gives the root output's loss, not what the script backpropagated
+        p.compare = dataclasses.replace(p.record, loss=None if missing or total is None else float(total),
+                                        grad_norm=None)
+        p.extra["watch_rerun"] = {"loss_in_forward": not missing}
+        event = g.finish(extra={"root": type(self.root).__name__ if self.root is not None else None,
+                                "argv": list(sys.argv)})
+        if event is None:
+            return
+        self.events.append(event)
+        logger.warning(event.line("nanprobe watch"))
+        if event.action == "raised":
+            raise Stopped(event, event.why or "")
+
+    def finish_at_exit(self) -> None:
+        """The script ended with a caught bad step not yet diagnosed (its update was the GradScaler's to skip)."""
+        if self.guard is not None and self.guard.pending is not None:
+            self._finish()
+
+    # -- the bad step: what the live gradients and the optimizer say --
+    def _on_bad(self, p: Pending) -> None:
+        model = self.guard.model
+        named = [(n, q.grad) for n, q in model.named_parameters() if q.grad is not None]
+        rows: dict[str, dict[str, Any]] = {}
+        if named:
+            counts = torch.stack([(~torch.isfinite(g)).sum() for _, g in named]).tolist()   # one sync
+            for (name, g), bad in zip(named, counts):
+                module = name.rpartition(".")[0]
+                row = rows.setdefault(module, {"module": module, "nonfinite": 0, "total": 0, "parameters": []})
+                row["total"] += g.numel()
+                if bad:
+                    row["nonfinite"] += int(bad)
+                    row["parameters"].append(name)
+        p.extra["gradients"] = {"nonfinite_modules": [r for r in rows.values() if r["nonfinite"]],
+                                "note": "non-finite gradient values per module in the live step (before it was "
+                                        "skipped)"}
+        p.extra["update"] = update_forensics(self.optimizer, model, p.corrupt)
+
+    def _adjust(self, report: Report, p: Pending) -> Report:
+        loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
+        notes = list(report.notes)
+        findings = list(report.findings)
+        grads = p.extra.get("gradients", {}).get("nonfinite_modules", [])
+        if report.origin is None:
+            findings = [f for f in findings if f.cause is not Cause.NOT_REPRODUCED]
+            data_error = any(d.get("level") == "error" for d in report.extra.get("data_problems", []))
+            if not loss_in_forward and not data_error:
+                notes.insert(0, "the loss is computed outside the root module's forward: watch reran the forward "
+                                "only, and it was finite, so the origin is in the loss or the backward pass; for "
+                                "the full diagnosis write an ENTRY with your loss_fn and run the replay command")
+            if grads:
+                where = ", ".join(r["module"] or "(root)" for r in grads[:4])
+                notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
+        upd = p.extra.get("update", {})
+        if upd.get("nonfinite_parameters"):
+            findings.insert(0, update_finding(upd, p.step))
+        status = p.status if report.status is Status.FINITE else report.status
+        return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status)
+
+    # -- the target the diagnosis reruns --
+    def _target(self) -> Target:
+        model = self.guard.model
+        own = {id(q) for q in model.parameters()}
+        opt = self.optimizer
+        use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
+        scheds = [s for s in list(self.schedulers) if use_opt and getattr(s, "optimizer", None) is opt]
+        items = [it for it in self.guard._items if isinstance(it, dict)]
+        dtype = items[0].get("autocast") if items else None
+        precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(dtype, Precision.FP32)
+        return validate({"model": model, "step_fn": ForwardStep(self._device_type), "batches": [],
+                         "optimizer": opt if use_opt else None, "scheduler": scheds or None,
+                         "precision": precision, "accumulate": max(len(self.guard._items), 1)}, "nanprobe watch")
+
+
+__all__ = ["Watcher", "POLICIES"]

@@ -1,0 +1,187 @@
+"""`nanprobe watch -- python train.py`: an unmodified script (its own Trainer class, the loss computed in
+the model's forward) under the guard through PyTorch's global hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from typer.testing import CliRunner
+
+from nanprobe.capsule import read
+from nanprobe.cli import app
+from nanprobe.diagnose import diagnose
+from nanprobe.watch import find_loss, parse_command, watch
+
+WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+SCRIPT = WATCH / "own_trainer.py"
+LOG_LINE = next(i + 1 for i, text in enumerate(SCRIPT.read_text().splitlines())
+                if "nll = rate - counts * torch.log(rate)" in text)
+runner = CliRunner()
+
+
+def _plain(*args: str) -> str:
+    """The script run as `python own_trainer.py ARGS` would (in this process, no nanprobe): its stdout."""
+    out = io.StringIO()
+    argv, path0 = list(sys.argv), sys.path[0]
+    sys.argv, sys.path[0] = [str(SCRIPT), *args], str(WATCH)
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+    finally:
+        sys.argv, sys.path[0] = argv, path0
+    assert done.value.code == 0
+    return out.getvalue()
+
+
+def _first_nan(stdout: str) -> int:
+    return min(int(m.group(1)) for m in re.finditer(r"step (\d+) loss nan", stdout))
+
+
+def test_watch_skips_and_diagnoses_the_first_nan_of_an_unmodified_script(tmp_path, capsys):
+    expected = _first_nan(_plain())   # the script alone: its loss is first NaN at this step (epoch 1)
+    capsys.readouterr()
+    result = watch(["python", str(SCRIPT), "--exit-code", "3"], dirpath=tmp_path / "reports",
+                   json_out=tmp_path / "report.json", entry=f"{WATCH / 'entry.py'}:target")
+    out = capsys.readouterr().out
+    # the script's own output and exit code
+    assert result.exit_code == 3 and result.error is None
+    assert out.splitlines()[-1] == "done" and len(re.findall(r"^epoch \d step \d+ loss", out, re.M)) == 24
+    assert _first_nan(out) == expected and result.steps == 24 and result.root == "PoissonNet"
+    bad = result.events[0]
+    assert (bad.step, bad.status, bad.reason, bad.action) == (expected, "nonfinite", "loss is nan", "skipped")
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert result.json == str(tmp_path / "report.json") and report == json.loads(Path(bad.report).read_text())
+    assert report["command"] == "watch" and report["step"] == expected and report["status"] == "nonfinite"
+    origin = report["origin"]
+    assert (origin["phase"], origin["module"], origin["op"], origin["kind"]) == \
+        ("forward", "", "aten.log.default", "nan")
+    assert origin["source"].endswith(f"own_trainer.py:{LOG_LINE}")
+    top = report["findings"][0]
+    assert (top["cause"], top["phase"]) == ("log", "forward")
+    assert report["fidelity"]["reproduced"] is True   # the forward rerun gave the loss the script saw
+    assert report["watch"]["root"] == "PoissonNet" and report["watch_rerun"] == {"loss_in_forward": True}
+    assert report["gradients"]["nonfinite_modules"] == []   # log's gradient 1/x is finite: only the loss is NaN
+    assert report["update"]["optimizer"] == "AdamW" and report["update"]["param_groups"][0]["eps"] == 1e-8
+    # the capsule replays with the script's own loss: the same origin
+    cap = read(bad.capsule)
+    assert cap.step == expected and cap.data["max_grad_norm"] == 5.0
+    assert bad.command == f"nanprobe run {WATCH / 'entry.py'}:target --capsule {bad.capsule}"
+    replayed = diagnose(f"{WATCH / 'entry.py'}:target", capsule=bad.capsule)
+    assert (replayed.step, replayed.origin.op, replayed.origin.source, replayed.top.cause.value) == \
+        (expected, "aten.log.default", origin["source"], "log")
+    assert replayed.fidelity.reproduced is True
+
+
+@pytest.mark.parametrize("extra", [(), ("--amp",)], ids=["fp32", "fp16+GradScaler"])
+def test_watch_healthy_script_writes_nothing_and_keeps_the_weights_bitwise(tmp_path, capsys, extra):
+    _plain("--healthy", "--save", str(tmp_path / "plain.pt"), *extra)
+    result = watch(["python", str(SCRIPT), "--healthy", "--save", str(tmp_path / "watched.pt"), *extra],
+                   dirpath=tmp_path / "reports", json_out=tmp_path / "report.json")
+    assert result.exit_code == 0 and result.events == () and result.steps == 24
+    plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert plain.keys() == watched.keys() and all(torch.equal(plain[k], watched[k]) for k in plain)
+    assert not (tmp_path / "reports").exists() and not (tmp_path / "report.json").exists()
+
+
+def test_watch_cli_keeps_the_script_output_and_exit_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(WATCH)
+    res = runner.invoke(app, ["watch", "--dir", str(tmp_path), "--", "python", "-m", "own_trainer", "--exit-code",
+                              "4", "--epochs", "2"])
+    assert res.exit_code == 4, res.output
+    assert res.stdout.splitlines()[-1] == "done"
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("nanprobe watch: step 10: non-finite values born in forward at (model) "
+                               "(aten.log.default); cause log (0.90); update skipped. Report: ")
+    assert all(line.startswith("nanprobe watch: step ") for line in lines)
+
+
+def test_watch_policy_raise_stops_the_script_after_the_report(tmp_path, capsys):
+    result = watch(["python", str(SCRIPT)], policy="raise", dirpath=tmp_path)
+    out = capsys.readouterr().out
+    assert result.exit_code == 1 and "done" not in out
+    assert [e.action for e in result.events] == ["raised"] and result.events[0].report
+    assert result.error.startswith(f"nanprobe stopped training at step {result.events[0].step}: loss is nan "
+                                   "(policy 'raise')")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "no command to watch"),
+    (["ls", "-l"], "'ls' is not a Python interpreter"),
+    (["python", "missing.py"], "script 'missing.py' not found"),
+    (["python", "-c", "print(1)"], "cannot watch 'python -c print(1)'"),
+    (["python", "-m"], "python -m needs a module"),
+])
+def test_watch_bad_commands_exit_2_with_one_line(argv, message):
+    res = runner.invoke(app, ["watch", "--", *argv] if argv else ["watch"])
+    assert res.exit_code == 2
+    assert res.stderr.startswith(f"nanprobe: error: {message}") and res.stderr.count("\n") == 1
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "stop"], "unknown policy 'stop'"),
+    (["--json", "-"], "--json - would mix the report with the script's output"),
+    (["--max-reports", "-1"], "--max-reports -1"),
+])
+def test_watch_bad_flags_exit_2_with_one_line(flags, message):
+    res = runner.invoke(app, ["watch", *flags, "--", "python", str(SCRIPT)])
+    assert res.exit_code == 2 and res.stderr.startswith(f"nanprobe: error: {message}")
+    assert res.stderr.count("\n") == 1
+
+
+def test_find_loss_reads_the_usual_output_shapes():
+    w = torch.ones(2, requires_grad=True)
+    loss = (w * 2).sum()
+    logits = w * 3
+    assert find_loss(loss) is loss
+    assert find_loss({"loss": loss, "logits": logits}) is loss
+    assert find_loss((logits, loss)) is loss                      # nanoGPT: (logits, loss)
+    assert find_loss(type("Out", (), {"loss": loss})()) is loss   # a ModelOutput-like object
+    assert find_loss(logits) is None and find_loss((loss, loss)) is None and find_loss(loss.detach()) is None
+    assert parse_command(["python3", "-m", "pkg.train", "--lr", "1"]) == ("module", "pkg.train", ["--lr", "1"])
+
+
+# -- torch.distributed: every rank skips the same step ----------------------------------------------------------
+
+BAD_ON_RANK1 = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      BAD_STEP=str(BAD_ON_RANK1 if rank == 1 else -1), OUT=str(Path(out_dir) / f"rank{rank}.pt"))
+    torch.set_num_threads(1)
+    result = watch(["python", str(WATCH / "ddp_trainer.py")], dirpath=out_dir)
+    events = [(e.step, e.local, e.rank, e.action, bool(e.report)) for e in result.events]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"code": result.exit_code, "events": events,
+                                                             "root": result.root}))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_watch_under_ddp_all_ranks_skip_the_step_one_rank_saw(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["code"] == r1["code"] == 0 and r0["root"] == r1["root"] == "DistributedDataParallel"
+    assert r1["events"] == [[BAD_ON_RANK1, True, 1, "skipped", True]]     # rank 1 saw it, diagnosed it
+    assert r0["events"] == [[BAD_ON_RANK1, False, 0, "skipped", False]]   # rank 0 skipped it with rank 1
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) and torch.isfinite(w0[k]).all() for k in w0)   # still in sync, finite
