@@ -24,7 +24,6 @@ do not reach the hooks (``busy``).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import datetime as _dt
 import logging
@@ -110,7 +109,7 @@ class HookedGuard:
         self.max_reports = max_reports    # bad steps diagnosed in-process; later ones get a capsule and a line
         self.reports = 0
         self.logger = logging.getLogger(f"nanprobe.{command}")
-        self.judge = _SortedJudge(judge_config(self.cfg))
+        self.judge = Judge(judge_config(self.cfg))   # the replay's and smoke's divergence model
         self.device_type = device_of(model).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
@@ -220,16 +219,9 @@ class HookedGuard:
         return self._bad(step, status, reason or "bad step", local, record, position, rank, world)
 
     def _thresholds(self) -> tuple[float, float]:
-        """The judge's spike thresholds now (for the on-device flag all ranks reduce)."""
-        cfg = self.judge.cfg
-        t_loss = t_norm = math.inf
-        if len(self.judge.losses) >= cfg.min_history:
-            med = self.judge.median(self.judge.sorted_losses)
-            t_loss = med + (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12)
-        if len(self.judge.norms) >= cfg.min_history:
-            med = self.judge.median(self.judge.sorted_norms)
-            t_norm = cfg.grad_spike_factor * med if med > 0 else math.inf
-        return t_loss, t_norm
+        """The divergence model's cut-offs for this step (for the on-device flag all ranks reduce): a
+        value above them may be a spike, one below never is."""
+        return self.judge.model.loss_cut(), self.judge.model.norm_cut()
 
     def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
               scaler_active: bool, dist: bool) -> tuple[float | None, float | None, bool]:
@@ -472,44 +464,6 @@ def _f32(x: float) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:   # beyond float32's range: a float32 add gives inf
         return math.copysign(math.inf, x)
-
-
-class _SortedJudge(Judge):
-    """The replay's Judge (same rules, same window) with each window also kept sorted, so the running
-    medians cost a lookup instead of a sort per step."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.sorted_losses: list[float] = []
-        self.sorted_norms: list[float] = []
-
-    @staticmethod
-    def median(s: list[float]) -> float:
-        n = len(s)
-        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-    def _spike(self, loss: float | None, norm: float | None) -> str | None:
-        cfg = self.cfg
-        if loss is not None and len(self.losses) >= cfg.min_history:
-            med = self.median(self.sorted_losses)
-            if loss - med > (cfg.loss_spike_factor - 1) * max(abs(med), 1e-12):
-                times = f"{loss / med:.1f}x" if med > 0 else "inf x"
-                return f"loss spike: {loss:.4g} vs running median {med:.4g} ({times})"
-        if norm is not None and len(self.norms) >= cfg.min_history:
-            med = self.median(self.sorted_norms)
-            if med > 0 and norm > cfg.grad_spike_factor * med:
-                return f"gradient-norm spike: {norm:.4g} vs running median {med:.4g} ({norm / med:.1f}x)"
-        return None
-
-    def add(self, record: StepRecord) -> None:
-        for window, ordered, value, keep in ((self.losses, self.sorted_losses, record.loss, True),
-                                             (self.norms, self.sorted_norms, record.grad_norm, not record.skipped)):
-            if value is None or not math.isfinite(value) or not keep:
-                continue
-            if window.maxlen is not None and len(window) == window.maxlen:
-                del ordered[bisect.bisect_left(ordered, window[0])]
-            window.append(value)
-            bisect.insort(ordered, value)
 
 
 def _headline(report: Report | None, p: Pending) -> str:
