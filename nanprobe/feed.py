@@ -304,8 +304,9 @@ class ReplayFeed:
 
 
 class MicroBatches(Sequence):
-    """What ``step_fn`` gets as ``batch`` under ``accumulate`` > 1: the step's micro-batches,
-    fetched as the step reaches them (``for micro in batch:``), indexable, with ``len``."""
+    """What ``step_fn`` gets as ``batch`` under ``accumulate`` > 1: the step's micro-batches, the
+    first fetched before ``step_fn`` runs, the others as the step reaches them (``for micro in
+    batch:``); indexable, with ``len``."""
 
     def __init__(self, feed: LiveFeed | ReplayFeed):
         self._feed = feed

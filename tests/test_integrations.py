@@ -8,6 +8,7 @@ bit for bit, as the same run without the callback.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -150,7 +151,7 @@ def test_lightning_nan_in_the_second_epoch_is_skipped_diagnosed_and_reported(tmp
     # one line per bad step, naming the report and the replay command
     lines = [r.getMessage() for r in caplog.records if r.name == "nanprobe.lightning"]
     assert len(lines) == len(cb.events) and "\n" not in lines[0]
-    assert f"step {expected}: non-finite values born in forward" in lines[0]
+    assert f"step {expected}: non-finite values born in forward at (loss_fn) (aten.div.Tensor, {src});" in lines[0]
     assert f"Report: {bad.report}." in lines[0]   # outside the working directory: the absolute path
     assert lines[0].endswith(f"Replay: nanprobe run ENTRY --capsule {bad.capsule}")
     # later bad steps are skipped too; only the first is diagnosed in-process (max_reports=1)
@@ -331,3 +332,26 @@ def test_the_hooked_guards_cutoffs_never_hide_a_spike_the_replays_judge_sees():
         if status.value == "finite":
             judge.add(record)
     assert {"finite", "spike", "nonfinite"} <= set(verdicts)   # every rule was exercised
+
+
+# -- the README's examples ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, logger, cause, src", [
+    ("lightning_relative_error.py", "nanprobe.lightning", "div", "# relative error: y == 0"),
+    ("transformers_sft_all_ignored.py", "nanprobe.transformers", "data", None),
+])
+def test_the_readmes_integration_examples_print_what_it_shows(tmp_path, monkeypatch, caplog, script, logger, cause,
+                                                              src):
+    path = Path(__file__).resolve().parent.parent / "examples" / "integrations" / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=logger):
+        mod.main()
+    lines = [r.getMessage() for r in caplog.records if r.name == logger]
+    assert lines and "non-finite values born in forward" in lines[0] and f"cause {cause} (" in lines[0]
+    if src is not None:
+        assert f"{script}:{_line(path, src)}" in lines[0]
+    reports = sorted((tmp_path / "nanprobe-reports").glob("*.json"))
+    assert len(reports) == 1 and json.loads(reports[0].read_text())["findings"][0]["cause"] == cause

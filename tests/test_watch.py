@@ -104,7 +104,8 @@ def test_watch_cli_keeps_the_script_output_and_exit_code(tmp_path, monkeypatch):
     assert res.stdout.splitlines()[-1] == "done"
     lines = res.stderr.splitlines()
     assert lines[0].startswith("nanprobe watch: step 10: non-finite values born in forward at (model) "
-                               "(aten.log.default); cause log (0.90); update skipped. Report: ")
+                               f"(aten.log.default, own_trainer.py:{LOG_LINE}); cause log (0.90); update skipped. "
+                               "Report: ")
     assert all(line.startswith("nanprobe watch: step ") for line in lines)
 
 
