@@ -289,7 +289,7 @@ def _scalar(v: torch.Tensor | float, where: str, name: str) -> torch.Tensor | fl
     return float(v)
 
 
-class _Patch:
+class Patch:
     """Set ``obj.name`` for the duration of a context; put the original back on exit."""
 
     __slots__ = ("obj", "name", "original")
@@ -319,7 +319,7 @@ class _StepWatch:
         self.dtypes: list[str] = []
         self.entered_autocast = False
         self._handles: list[Any] = []
-        self._patches: list[_Patch] = []
+        self._patches: list[Patch] = []
         self._saved_groups: dict[int, list[tuple[dict, dict]]] = {}
         self._clip_original = torch.nn.utils.clip_grad_norm_
         self._model_modules = {id(m) for m in loop.target.model.modules()} if o.on_phase else set()
@@ -335,15 +335,15 @@ class _StepWatch:
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre, name)))
             self._handles.append(opt.register_step_post_hook(functools.partial(self._post, name)))
         try:
-            self._patches.append(_Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-            self._patches.append(_Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)))
+            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+            self._patches.append(Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)))
             self._clip_original = torch.nn.utils.clip_grad_norm_
             clip = self._wrap_clip(self._clip_original)
-            self._patches.append(_Patch(torch.nn.utils, "clip_grad_norm_", clip))
-            self._patches.append(_Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
-            self._patches.append(_Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
-            self._patches.append(_Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)))
-            self._patches.append(_Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__)))
+            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
+            self._patches.append(Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)))
+            self._patches.append(Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__)))
             if self.phase is not None:
                 self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre))
         except BaseException:
@@ -515,4 +515,4 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
                        autocast=tuple(dict.fromkeys(watch.dtypes)), precision_applied=applied)
 
 
-__all__ = ["Loop", "RunOptions", "StepOutcome", "make_scaler", "current_lr", "batch_size"]
+__all__ = ["Loop", "RunOptions", "StepOutcome", "make_scaler", "current_lr", "batch_size", "Patch"]

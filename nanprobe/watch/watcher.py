@@ -19,6 +19,7 @@ from ..hooked.guard import Pending
 from ..precision import Precision
 from ..report import Cause, Report, Status
 from ..state import capture_rng
+from ..step import Patch
 from ..target import Target, validate
 from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, inner, params_module,
                       update_finding, update_forensics)
@@ -26,18 +27,6 @@ from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, f
 POLICIES = ("skip", "raise", "record")
 
 logger = logging.getLogger("nanprobe.watch")
-
-
-class _Patch:
-    __slots__ = ("obj", "name", "original")
-
-    def __init__(self, obj: Any, name: str, value: Any):
-        self.obj, self.name = obj, name
-        self.original = getattr(obj, name)
-        setattr(obj, name, value)
-
-    def undo(self) -> None:
-        setattr(self.obj, self.name, self.original)
 
 
 class Watcher:
@@ -60,7 +49,7 @@ class Watcher:
         self._optimizer_hooks: list[Any] = []
         self._module_hooks: list[Any] = []        # global, first step only
         self._root_hooks: list[Any] = []
-        self._patches: list[_Patch] = []
+        self._patches: list[Patch] = []
         self._depth = 0
         self._first: list[list[Any]] = []   # step 0's top-level calls: [module, args, kwargs, autocast, rng, loss]
         self._early_losses: list[torch.Tensor] = []   # backpropagated before the guard existed (step 0)
@@ -88,14 +77,14 @@ class Watcher:
                                                                                               always_call=True))
             elif self.root is not None:
                 self._hook_root(self.root)
-            self._patches.append(_Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-            self._patches.append(_Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
-            self._patches.append(_Patch(torch.amp.GradScaler, "step",
+            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
+            self._patches.append(Patch(torch.amp.GradScaler, "step",
                                         self._wrap_scaler_step(torch.amp.GradScaler.step)))
-            self._patches.append(_Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__)))
+            self._patches.append(Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__)))
             clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
-            self._patches.append(_Patch(torch.nn.utils, "clip_grad_norm_", clip))
-            self._patches.append(_Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
         except BaseException:
             self.__exit__()
             raise
