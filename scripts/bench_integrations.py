@@ -174,9 +174,8 @@ def transformers_run(blocks: Blocks, steps: int, tmp: str, size: str) -> None:
         def on_step_begin(self, args, state, control, **kwargs):
             blocks.tick(state.global_step)
             active = blocks.on(state.global_step)
-            trainer = self.inner._trainer
             if active and not self.active:
-                trainer.training_step = self.inner._training_step
+                self.inner._install()   # training_step and the norm the Trainer computes
             elif self.active and not active:
                 self.inner._uninstall()
             self.active = active

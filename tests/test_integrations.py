@@ -193,6 +193,32 @@ def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_
     assert cb._guard.checks == 9   # 8 batches per epoch in steps of 3, 3 and 2 micro-batches, 3 epochs
 
 
+class ManualRegressor(Regressor):
+    def __init__(self):
+        super().__init__(relative_from_epoch=None)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y, _ = batch
+        loss = F.mse_loss(self.net(x).squeeze(-1), y)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_lightning_manual_optimization_is_not_guarded_and_says_so_once(tmp_path, caplog):
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    cb = NanprobeCallback(dirpath=tmp_path / "reports")
+    with caplog.at_level(logging.WARNING, logger="nanprobe.lightning"):
+        _fit(ManualRegressor(), [cb], tmp_path, max_epochs=1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanprobe.lightning"]
+    assert len(lines) == 1 and "manual optimization" in lines[0] and "nanprobe.Guard" in lines[0]
+    assert cb.events == [] and cb._guard is None
+
+
 # -- transformers ------------------------------------------------------------------------------------------
 
 transformers = _framework("transformers")

@@ -179,6 +179,7 @@ class NanprobeCallback(_Base):
         self._clip_check: tuple[Any, bool] | None = None   # (trainer, checked in clipping) for this fit
         self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
         self._batch_idx: list[int] = []
+        self._warned_manual = False
 
     # -- setup ------------------------------------------------------------------------------------------
 
@@ -219,6 +220,12 @@ class NanprobeCallback(_Base):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not pl_module.automatic_optimization:
+            if not self._warned_manual:
+                self._warned_manual = True
+                logger.warning("nanprobe (Lightning): %s uses manual optimization, which NanprobeCallback does not "
+                               "guard: nothing is checked in this fit. Use nanprobe.Guard inside training_step "
+                               "instead (guard.step / guard.backward / guard.optimizer_step).",
+                               type(pl_module).__name__)
             return
         g = self._attach(trainer, pl_module)
         if g.busy:

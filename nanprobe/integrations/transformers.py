@@ -174,10 +174,7 @@ class NanprobeCallback(_Base):
         self._trainer = trainer
         self._uninstall()
         self._original = trainer.training_step
-        trainer.training_step = self._training_step   # on the instance, for this train() call
-        for name in ("_clip_grad_norm", "_get_grad_norm"):   # the norm the Trainer computes each step anyway
-            if callable(getattr(trainer, name, None)):
-                setattr(trainer, name, self._keep_norm(getattr(trainer, name)))
+        self._install()
         self._step = TrainerStep(trainer, self._original)
         self._params = list(trainer.model.parameters())   # walked once: a module walk per step costs ~0.1 ms
         self._guard = HookedGuard(command="transformers", who="nanprobe (transformers)", model=trainer.model,
@@ -189,6 +186,15 @@ class NanprobeCallback(_Base):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._uninstall()
+
+    def _install(self) -> None:
+        """Wrap the Trainer's training_step and keep the norm it computes each step anyway (on the
+        instance, for this train() call)."""
+        t = self._trainer
+        t.training_step = self._training_step
+        for name in ("_clip_grad_norm", "_get_grad_norm"):
+            if callable(getattr(t, name, None)):
+                setattr(t, name, self._keep_norm(getattr(t, name)))
 
     def _uninstall(self) -> None:
         t = self._trainer
