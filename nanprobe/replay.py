@@ -14,6 +14,8 @@ code raises inside a step, that step is the bad one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -413,7 +415,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         """The state before the last replayed step (rebuilt from the rolling snapshot)."""
         if not keep_last or not log:
             return None
-        snap, ratios = _rebuild(r, rolling, log[:-1])
+        snap, ratios = _rebuild(r, rolling, log[:-1], history)
         rec = history[-1]
         return _reached(r, rec.step, log[-1], snap, Status.FINITE, None, rec, list(history)[:-1], ratios,
                         reached_by, notes)
@@ -434,7 +436,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             outcome, record, step_ratios, params_finite = r.run(feed)
         except UserCodeError as exc:
             recorded = Recorded.of_partial(feed)
-            snap, ratios = _rebuild(r, rolling, log)
+            snap, ratios = _rebuild(r, rolling, log, history)
             return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
                             history, ratios, reached_by, notes, error=exc)
         recorded = Recorded.of(feed)
@@ -442,7 +444,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         if on_progress:
             on_progress(k)
         if status is not Status.FINITE:
-            snap, ratios = _rebuild(r, rolling, log)
+            snap, ratios = _rebuild(r, rolling, log, history)
             return _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes)
         log.append(recorded)
         r.judge.add(record)
@@ -450,10 +452,12 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         k += 1
 
 
-def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded]) -> tuple[Snapshot, dict[str, float]]:
+def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded],
+             history: deque[StepRecord]) -> tuple[Snapshot, dict[str, float]]:
     """The state before the step after ``log``: the rolling snapshot, then the logged steps again.
 
-    Returns the snapshot and the update ratios of the step before.
+    Returns the snapshot and the per-parameter update ratios of the step before; that step's global
+    update ratio goes into its ``history`` row (the replay itself measures none: it copies nothing).
     """
     rolling.restore(r.loop.objects)
     ratios: dict[str, float] = {}
@@ -461,7 +465,11 @@ def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded]) -> tuple[Snaps
         before = r.params() if i == len(log) - 1 else None
         outcome = r.replay(rec)
         if before is not None:
-            _, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
+            last, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
+            for j in range(len(history) - 1, -1, -1):
+                if history[j].step == last.step:
+                    history[j] = dataclasses.replace(history[j], update_ratio=last.update_ratio)
+                    break
     if not log:
         return rolling, ratios
     return r.loop.objects.take(reuse=rolling), ratios   # the rolling snapshot's storage is not needed again
