@@ -358,8 +358,7 @@ class Divergence:
 class Judge:
     """The per-step verdict for replay and smoke: non-finite values, spikes, GradScaler skip storms."""
 
-    def __init__(self, cfg: ReplayConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ReplayConfig | GuardConfig):
         self.model = Divergence(Rules.of(cfg))
 
     @property

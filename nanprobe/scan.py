@@ -25,7 +25,7 @@ import dataclasses
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from .config import Config, ScanConfig, load_config
 from .entry import Loaded, load_target
 from .errors import EXIT_FOUND, EXIT_OK, UsageError, UserCodeError
 from .precision import Precision, describe_device, device_of, limits, parse_precision
-from .feed import DataEnd, Stream, epoch_length
+from .feed import DataEnd, Stream, epoch_length, is_callable_batches
 from .report import SCHEMA, Status, _num
 from .state import borrows_globals
 from .target import Target
@@ -511,17 +511,6 @@ def _loaded(entry_or_loaded: str | Loaded | Target) -> Loaded:
     return load_target(entry_or_loaded)
 
 
-def _total(batches: Any, limit: int | None) -> int | None:
-    if isinstance(batches, Sized) and not callable(batches):
-        try:
-            n = len(batches)
-        except TypeError:
-            n = None
-        if n is not None:
-            return n if limit is None else min(n, limit)
-    return limit
-
-
 def _params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -557,19 +546,19 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     elif target.num_classes is not None:
         num_classes, source = target.num_classes, "target"
     notes: list[str] = []
-    is_callable = callable(target.batches) and not isinstance(target.batches, Iterable)
+    is_callable = is_callable_batches(target.batches)
+    per_epoch = epoch_length(target.batches)
     if is_callable and limit is None:
         limit = scfg.callable_batches
         notes.append(f"batches is a callable: scanned batches(0) .. batches({limit - 1}) at most "
                      "(scan.callable_batches); pass --limit to change")
-    elif limit is None and epoch_length(target.batches) is None:   # it may never end
+    elif limit is None and per_epoch is None:   # it may never end
         limit = scfg.callable_batches
         notes.append(f"batches has no length (it may be endless): scanned its first {limit} batches at most "
                      "(scan.callable_batches); pass --limit to change")
-    total = _total(target.batches, limit)
-    if total is not None and target.epochs > 1 and not is_callable:
-        total = (total if limit is None else len(target.batches)) * target.epochs
-        total = total if limit is None else min(total, limit)
+    total = per_epoch * target.epochs if per_epoch is not None else None
+    if limit is not None:
+        total = limit if total is None else min(total, limit)
     stream = Stream(target, record=False)
     scanner = Scanner(scfg, ignore_index=ignore_index, num_classes=num_classes, range_max=range_max)
     device = None
@@ -661,10 +650,8 @@ def _shuffles_from_global_rng(batches: Any) -> bool:
 
 def _exhausted(target: Target, limit: int) -> bool:
     """A sized iterable of exactly ``limit`` batches (over all epochs) was read to its end."""
-    try:
-        return len(target.batches) * target.epochs <= limit
-    except TypeError:
-        return False
+    n = epoch_length(target.batches)
+    return n is not None and n * target.epochs <= limit
 
 
 def _has_labels(batch: Any) -> bool:

@@ -338,10 +338,9 @@ def test_the_hooked_guards_cutoffs_never_hide_a_spike_the_replays_judge_sees():
 
     from nanprobe.config import load_config
     from nanprobe.divergence import Judge
-    from nanprobe.hooked import judge_config
     from nanprobe.report import StepRecord
 
-    judge = Judge(judge_config(load_config()))
+    judge = Judge(load_config().guard)
     rng = random.Random(0)
     verdicts = []
     for step in range(400):

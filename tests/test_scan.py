@@ -360,3 +360,29 @@ def test_int_moments_are_exact_even_when_int64_squares_would_overflow():
     summary = s.keys["batch['ids']"].summary()
     assert summary.mean == pytest.approx(float(values.mean()))
     assert summary.std == pytest.approx(float(values.std(correction=0)))
+
+
+class _Reiterable:
+    """Re-iterable batches with no len(): each epoch iterates afresh."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("limit", [None, 6])
+def test_scan_of_unsized_reiterable_batches_over_epochs(limit):
+    import torch
+
+    from nanprobe import Target
+    from nanprobe.scan import scan_data
+
+    batches = [torch.ones(2, 3) for _ in range(4)]
+    batches[2][1, 0] = float("nan")
+    model = torch.nn.Linear(3, 1)
+    target = Target(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    loss_fn=lambda m, b: m(b).sum(), batches=_Reiterable(batches), epochs=2)
+    result = scan_data(target, limit=limit)
+    assert [p.step for p in result.problems if p.code == "nonfinite"] == ([2, 6] if limit is None else [2])

@@ -4,9 +4,9 @@
 reports and the pieces its users share.
 """
 
-from .events import (POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, judge_config,
+from .events import (POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of,
                      resolve_config, shown, skip_update, total_norm)
 from .guard import HookedGuard
 
 __all__ = ["HookedGuard", "HookEvent", "Stopped", "POLICIES", "skip_update", "grads_of", "total_norm",
-           "current_lr", "distributed", "judge_config", "check_policy", "resolve_config", "shown"]
+           "current_lr", "distributed", "check_policy", "resolve_config", "shown"]

@@ -3,7 +3,6 @@ skipping an update from a hook, the configuration, gradient norms."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..config import Config, ReplayConfig, load_config
+from ..config import Config, load_config
 from ..errors import EXIT_FOUND, NanprobeError, UsageError
 from ..guard import GuardTripped
 
@@ -93,14 +92,6 @@ def resolve_config(config: Any, where: str, **guard: Any) -> Config:
     return _build({"guard": overrides}, where, base=cfg) if overrides else cfg
 
 
-def judge_config(cfg: Config) -> ReplayConfig:
-    """Steps are judged with the guard's thresholds (as smoke does: they stand for the guarded run)."""
-    g = cfg.guard
-    return dataclasses.replace(cfg.replay, spike_window=g.window, min_history=g.min_history,
-                               loss_spike_factor=g.loss_spike_factor, grad_spike_factor=g.grad_spike_factor,
-                               max_scaler_skips=g.max_scaler_skips, history=g.history)
-
-
 def distributed() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -167,5 +158,5 @@ def shown(path: str | os.PathLike) -> str:
 
 
 
-__all__ = ["HookEvent", "Stopped", "POLICIES", "check_policy", "resolve_config", "judge_config", "distributed",
+__all__ = ["HookEvent", "Stopped", "POLICIES", "check_policy", "resolve_config", "distributed",
            "skip_update", "grads_of", "total_norm", "current_lr", "shown"]

@@ -51,7 +51,7 @@ from ..report import Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
-from .events import POLICIES, HookEvent, check_policy, current_lr, distributed, grads_of, judge_config, shown, \
+from .events import POLICIES, HookEvent, check_policy, current_lr, distributed, grads_of, shown, \
     total_norm
 
 
@@ -109,7 +109,7 @@ class HookedGuard:
         self.max_reports = max_reports    # bad steps diagnosed in-process; later ones get a capsule and a line
         self.reports = 0
         self.logger = logging.getLogger(f"nanprobe.{command}")
-        self.judge = Judge(judge_config(self.cfg))   # the replay's and smoke's divergence model
+        self.judge = Judge(self.gcfg)   # the divergence model of replay and smoke, with the guard: thresholds
         self.device_type = device_of(model).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
