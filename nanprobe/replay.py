@@ -111,9 +111,10 @@ def _delta_norms(named: list[tuple[str, torch.Tensor]], before: Mapping[str, tor
                 slots(name).copy_into(buf)
             else:
                 buf.copy_(before[name])
-            olds.append(torch.linalg.vector_norm(buf, dtype=torch.float32))
+            wide = None if buf.dtype == torch.float64 else torch.float32   # an fp64 rerun keeps its precision
+            olds.append(torch.linalg.vector_norm(buf, dtype=wide))
             buf.sub_(p)
-            deltas.append(torch.linalg.vector_norm(buf, dtype=torch.float32))
+            deltas.append(torch.linalg.vector_norm(buf, dtype=wide))
     return deltas, olds
 
 

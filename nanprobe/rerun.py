@@ -224,12 +224,12 @@ def _run_step(target, reached: Reached, precision: Precision, *, where: str, ins
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             if fp32_module:
                 stack.enter_context(_fp32_island(loop.target.model, fp32_module))
-            if tracker is not None:
-                stack.enter_context(tracker)
-            outcome: StepOutcome = loop.run(feed, options)
-        record, update_ratios, _ = measure(loop, outcome, reached.step,
-                                           before=snapshot.model if ratios and not skip_update else None,
-                                           position=reached.position)
+            with tracker if tracker is not None else contextlib.nullcontext():
+                outcome: StepOutcome = loop.run(feed, options)
+            # measured before the stack exits: leaving float64 puts the weights back
+            record, update_ratios, _ = measure(loop, outcome, reached.step,
+                                               before=snapshot.model if ratios and not skip_update else None,
+                                               position=reached.position)
         if skip_update:   # the update was not rerun: its ratio is the replayed step's own
             record = dataclasses.replace(record, update_ratio=reached.record.update_ratio)
             update_ratios = dict(reached.step_ratios)

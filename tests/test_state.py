@@ -138,3 +138,15 @@ def test_diagnosis_on_a_disk_snapshot_matches_the_in_memory_one(tmp_path):
     assert a["step"] == 5 and a["fidelity"]["reproduced"] is True
     gc.collect()
     assert not [f for f in os.listdir(tmp_path) if f.startswith("nanprobe-snapshot-")]   # files go with the snapshots
+
+
+def test_an_fp64_rerun_measures_its_update_before_the_weights_go_back():
+    t = _target()
+    reached = reach(t, at=3, precision=Precision.FP32, cfg=load_config().replay, where="t")
+    before = _flat(t)
+    fp32 = run_step(t, reached, Precision.FP32, where="t", instrument=False, restore_after=False)
+    fp64 = run_step(t, reached, Precision.FP64, where="t", instrument=False)
+    assert fp32.record.update_ratio > 0
+    assert fp64.record.update_ratio == pytest.approx(fp32.record.update_ratio, rel=1e-2)   # was 0
+    after = _flat(t)
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
