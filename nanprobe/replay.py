@@ -132,16 +132,19 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str,
              outcome.grad_norm.float().reshape(1).to(device) if outcome.grad_norm is not None else nan,
              outcome.found_inf.float().reshape(1).to(device) if outcome.found_inf is not None else nan,
              outcome.scale.float().reshape(1).to(device) if outcome.scale is not None else nan]
-    named = [(n, p.detach()) for n, p in loop.named_params]
-    params = [p for _, p in named]
+    named, params = loop.named_params, loop.params
     n = len(params)
-    if params:
-        parts.append(torch.stack([x.float() for x in torch._foreach_norm(params)]).to(device))
-        if before is not None:
-            deltas, olds = _delta_norms(named, before)
-            parts.append(torch.stack(deltas).to(device))
-            parts.append(torch.stack(olds).to(device))
-    values = torch.cat(parts).tolist()   # the one device sync
+    keyed = [(k, v) for k, v in outcome.losses.items() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        if params:
+            parts.append(torch.stack([x.float() for x in torch._foreach_norm(params)]).to(device))
+            if before is not None:
+                deltas, olds = _delta_norms(named, before)
+                parts.append(torch.stack(deltas).to(device))
+                parts.append(torch.stack(olds).to(device))
+        if keyed:   # float64: the cat widens the rest exactly, and an fp64 rerun's losses stay exact
+            parts.append(torch.stack([v.detach().double().reshape(()).to(device) for _, v in keyed]))
+        values = torch.cat(parts).tolist()   # the one device sync
     loss = values[0] if outcome.loss is not None else None
     gnorm = values[1] if outcome.grad_norm is not None else None
     skipped = outcome.found_inf is not None and values[2] > 0
@@ -162,9 +165,8 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str,
             ratio = total_d / total_w if total_w > 0 else (math.inf if total_d > 0 else 0.0)
     finite = (loss is None or math.isfinite(loss)) and params_finite and (
         gnorm is None or math.isfinite(gnorm) or skipped)
-    losses = {}
-    for k, v in outcome.losses.items():
-        losses[k] = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+    read = dict(zip((k for k, _ in keyed), values[len(values) - len(keyed):]))
+    losses = {k: read[k] if k in read else float(v) for k, v in outcome.losses.items()}
     record = StepRecord(step=step, loss=loss, grad_norm=gnorm, lr=outcome.lr, update_ratio=ratio,
                         finite=finite, skipped=skipped, scale=scale,
                         epoch=position.epoch if position else None, index=position.index if position else None,
