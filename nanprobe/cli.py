@@ -123,7 +123,8 @@ def handles_errors(fn):
     return wrapper
 
 
-_COMMANDS = {"run_cmd": "run", "smoke_cmd": "smoke", "compare_cmd": "compare-precisions", "scan_data_cmd": "scan-data"}
+_COMMANDS = {"run_cmd": "run", "smoke_cmd": "smoke", "compare_cmd": "compare-precisions", "scan_data_cmd": "scan-data",
+             "watch_cmd": "watch"}
 
 
 def _error_json(fn_name: str, kwargs: dict, message: str, code: int) -> None:

@@ -143,6 +143,14 @@ def test_watch_bad_flags_exit_2_with_one_line(flags, message):
     assert res.stderr.count("\n") == 1
 
 
+def test_watch_error_with_json_writes_an_error_report_named_watch(tmp_path):
+    out = tmp_path / "report.json"
+    res = runner.invoke(app, ["watch", "--json", str(out), "--", "python", "missing.py"])
+    assert res.exit_code == 2
+    data = json.loads(out.read_text())
+    assert (data["command"], data["status"], data["exit_code"]) == ("watch", "error", 2)
+
+
 def test_find_loss_reads_the_usual_output_shapes():
     w = torch.ones(2, requires_grad=True)
     loss = (w * 2).sum()
