@@ -37,7 +37,7 @@ from .checks import (BOOL, FLOAT, FLOAT_MASK, INT, LABEL, LOSS_MASK, MASK, PAD_M
                      Stats, _measure, is_ragged, leaf_problems, leaves, sample_rows, suspect)
 from .config import Config, ScanConfig, load_config
 from .entry import Loaded, load_target
-from .errors import EXIT_FOUND, EXIT_OK, UsageError, UserCodeError
+from .errors import EXIT_FOUND, EXIT_OK, UsageError
 from .precision import Precision, describe_device, device_of, limits, parse_precision
 from .feed import DataEnd, Stream, epoch_length, is_callable_batches
 from .report import SCHEMA, Status, _num

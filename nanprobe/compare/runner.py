@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
@@ -163,7 +162,6 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
         raise UsageError(f"--top {top} is not a positive count", "--top", "Give a number of modules >= 1")
     progress = on_progress or (lambda msg: None)
     loaded = entry_or_loaded if isinstance(entry_or_loaded, Loaded) else load_target(entry_or_loaded)
-    target = loaded.target
     reached, notes = _reach(loaded, at, cfg, progress, policy)
     try:
         return _compare(loaded, reached, notes, cfg, names, k, progress)

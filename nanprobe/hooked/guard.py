@@ -51,7 +51,7 @@ from ..report import Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
-from .events import POLICIES, HookEvent, check_policy, current_lr, distributed, grads_of, shown, \
+from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, shown, \
     total_norm
 
 
@@ -91,7 +91,8 @@ class HookedGuard:
                  config: Config | None = None, policy: str = "skip", dirpath: str | os.PathLike = "nanprobe-reports",
                  entry: str | None = None, allowed: Iterable[str] = POLICIES,
                  on_bad: Callable[[Pending], None] | None = None,
-                 adjust: Callable[[Report, Pending], Report] | None = None, max_reports: int = 1):
+                 adjust: Callable[[Report, Pending], Report] | None = None, max_reports: int = 1,
+                 events: list[HookEvent] | None = None):
         self.command = command
         self.who = who
         self.cfg = config or load_config()
@@ -113,7 +114,7 @@ class HookedGuard:
         self.device_type = device_of(model).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
-        self.events: list[HookEvent] = []
+        self.events: list[HookEvent] = events if events is not None else []   # the caller's list, if given
         self.capsules: list[Path] = []
         self.pending: Pending | None = None
         self.busy = False                 # nanprobe is rerunning a step: the hooks stand still
@@ -403,6 +404,17 @@ class HookedGuard:
                           report=str(path) if path else None, command=command, rank=p.rank, loss=p.record.loss,
                           grad_norm=p.record.grad_norm, diagnosis_error=error, why=why)
         self.events.append(event)
+        return event
+
+    def conclude(self, extra: Mapping[str, Any] | None = None) -> HookEvent | None:
+        """:meth:`finish`, then the one line logged; under policy ``raise`` :class:`Stopped` is raised
+        here (policy ``stop`` is the caller's to carry out: its framework's way of stopping)."""
+        event = self.finish(extra)
+        if event is None:
+            return None
+        self.logger.warning(event.line(self.who))
+        if event.action == "raised":
+            raise Stopped(event, event.why or "")
         return event
 
     def _diagnose(self, p: Pending) -> Report:

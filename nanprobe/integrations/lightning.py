@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..feed import MicroBatches, Position
-from ..hooked import POLICIES, HookedGuard, HookEvent, Stopped, check_policy, resolve_config, skip_update
+from ..hooked import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update
 from ..precision import Precision
 from ..target import Target, validate
 from . import require
@@ -190,7 +190,7 @@ class NanprobeCallback(_Base):
             self._guard = HookedGuard(command="lightning", who="nanprobe (Lightning)", model=module,
                                       build_target=partial(self._target, trainer, module), config=self.config,
                                       policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
-                                      max_reports=self.max_reports)
+                                      max_reports=self.max_reports, events=self.events)
         return self._guard
 
     def _target(self, trainer: Any, module: Any) -> Target:
@@ -322,14 +322,8 @@ class NanprobeCallback(_Base):
         if g.pending is None:   # a good step
             return
         with _global_step_at(trainer, step):   # the reruns see the trainer as the step did
-            event = g.finish(extra={"global_step": step, "epoch": epoch, "framework": _version()})
-        if event is None:
-            return
-        self.events.append(event)
-        logger.warning(event.line("nanprobe (Lightning)"))
-        if event.action == "raised":
-            raise Stopped(event, event.why or "")
-        if event.action == "stopped":
+            event = g.conclude(extra={"global_step": step, "epoch": epoch, "framework": _version()})
+        if event is not None and event.action == "stopped":
             trainer.should_stop = True
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

@@ -18,7 +18,6 @@ scheduler and ``global_step`` advance on a skipped step.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from ..feed import MicroBatches, Position
-from ..hooked import POLICIES, HookedGuard, HookEvent, Stopped, check_policy, resolve_config, skip_update, total_norm
+from ..hooked import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update, total_norm
 from ..errors import UsageError
 from ..precision import Precision
 from ..target import Target, validate
@@ -40,8 +39,6 @@ try:
 except ImportError:
     _Base = object
     _Trainer = None
-
-logger = logging.getLogger("nanprobe.transformers")
 
 
 def _find_trainer() -> Any:
@@ -180,7 +177,7 @@ class NanprobeCallback(_Base):
         self._guard = HookedGuard(command="transformers", who="nanprobe (transformers)", model=trainer.model,
                                   build_target=partial(self._target, trainer), config=self.config,
                                   policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
-                                      max_reports=self.max_reports)
+                                  max_reports=self.max_reports, events=self.events)
         self._epoch = int(math.floor(state.epoch or 0)) - 1   # on_epoch_begin counts it up
         self._steps_in_epoch = self._items_in_epoch = 0
 
@@ -289,16 +286,10 @@ class NanprobeCallback(_Base):
         saved = state.global_step
         state.global_step = step   # the reruns see the trainer state as the step did
         try:
-            event = g.finish(extra={"global_step": step, "epoch": epoch, "framework": _version()})
+            event = g.conclude(extra={"global_step": step, "epoch": epoch, "framework": _version()})
         finally:
             state.global_step = saved
-        if event is None:
-            return None
-        self.events.append(event)
-        logger.warning(event.line("nanprobe (transformers)"))
-        if event.action == "raised":
-            raise Stopped(event, event.why or "")
-        if event.action == "stopped":
+        if event is not None and event.action == "stopped":
             control.should_training_stop = True
         return control
 

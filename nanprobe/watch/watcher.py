@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
 import weakref
@@ -14,7 +13,7 @@ from torch.amp.grad_scaler import OptState
 
 from ..config import Config
 from ..feed import Position
-from ..hooked import HookedGuard, HookEvent, Stopped, skip_update, total_norm
+from ..hooked import HookedGuard, HookEvent, skip_update, total_norm
 from ..hooked.guard import Pending
 from ..precision import Precision
 from ..report import Cause, Report, Status
@@ -25,8 +24,6 @@ from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, f
                       update_finding, update_forensics)
 
 POLICIES = ("skip", "raise", "record")
-
-logger = logging.getLogger("nanprobe.watch")
 
 
 class Watcher:
@@ -154,7 +151,7 @@ class Watcher:
         self.guard = HookedGuard(command="watch", who="nanprobe watch", model=model, build_target=self._target,
                                  config=self.cfg, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
                                  allowed=POLICIES, on_bad=self._on_bad, adjust=self._adjust,
-                                 max_reports=self.max_reports)
+                                 max_reports=self.max_reports, events=self.events)
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
@@ -311,14 +308,8 @@ class Watcher:
         p.compare = dataclasses.replace(p.record, loss=None if missing or total is None else float(total),
                                         grad_norm=None)
         p.extra["watch_rerun"] = {"loss_in_forward": not missing}
-        event = g.finish(extra={"root": type(self.root).__name__ if self.root is not None else None,
-                                "argv": list(sys.argv)})
-        if event is None:
-            return
-        self.events.append(event)
-        logger.warning(event.line("nanprobe watch"))
-        if event.action == "raised":
-            raise Stopped(event, event.why or "")
+        g.conclude(extra={"root": type(self.root).__name__ if self.root is not None else None,
+                          "argv": list(sys.argv)})
 
     def finish_at_exit(self) -> None:
         """The script ended with a caught bad step not yet diagnosed (its update was the GradScaler's to skip)."""
