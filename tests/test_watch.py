@@ -143,6 +143,17 @@ def test_watch_bad_flags_exit_2_with_one_line(flags, message):
     assert res.stderr.count("\n") == 1
 
 
+def test_watch_judges_a_gradscaler_skip_storm_by_its_scale(tmp_path, capsys):
+    """Gradients beyond fp16 even unscaled: the scale halves from 65536 each skip; below 1 (skip 17)
+    it is a storm, as Guard, replay and smoke judge it (not only after 64 skips in a row)."""
+    result = watch(["python", str(WATCH / "scaler_storm.py")], dirpath=tmp_path)
+    bad = result.events[0]
+    assert (bad.step, bad.status, bad.action) == (17, "nonfinite", "skipped")
+    assert bad.reason.startswith("GradScaler skip storm: step skipped at loss scale 0.5 (< 1)")
+    assert bad.headline.startswith("step 17: GradScaler skip storm")
+    assert result.events[-1].action == "raised"   # guard.max_consecutive_skips: the storm does not end
+
+
 def test_watch_error_with_json_writes_an_error_report_named_watch(tmp_path):
     out = tmp_path / "report.json"
     res = runner.invoke(app, ["watch", "--json", str(out), "--", "python", "missing.py"])

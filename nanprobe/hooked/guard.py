@@ -168,24 +168,26 @@ class HookedGuard:
     # -- the check ------------------------------------------------------------------------------------
 
     def check(self, step: int, optimizers: list[torch.optim.Optimizer], *, norm: torch.Tensor | None = None,
-              scaler_active: bool = False, scale: float | None = None, position: Position | None = None,
+              scaler: torch.amp.GradScaler | None = None, position: Position | None = None,
               max_grad_norm: float | None = None) -> bool:
-        """Judge the step before its update (one device sync). Returns True when the update must be
-        skipped (the caller calls :func:`skip_update`); a bad step is then pending until :meth:`finish`.
-        The step's capture ends here (the next :meth:`micro` starts the next step)."""
+        """Judge the step before its update (one device sync; a GradScaler skip reads its scale, one
+        more, on that step only). ``scaler``: the loop's enabled GradScaler, if any. Returns True when
+        the update must be skipped (the caller calls :func:`skip_update`); a bad step is then pending
+        until :meth:`finish`. The step's capture ends here (the next :meth:`micro` starts the next step)."""
         if self.busy:
             return False
         if not self._checked:
             self.reset()
             return False
         try:
-            return self._check(step, optimizers, norm, scaler_active, scale, position, max_grad_norm)
+            return self._check(step, optimizers, norm, scaler, position, max_grad_norm)
         finally:
             self.reset()
 
     def _check(self, step: int, optimizers: list[torch.optim.Optimizer], norm: torch.Tensor | None,
-               scaler_active: bool, scale: float | None, position: Position | None,
+               scaler: torch.amp.GradScaler | None, position: Position | None,
                max_grad_norm: float | None) -> bool:
+        scaler_active = scaler is not None
         if self.pending is not None:   # a step whose finish() never came (the framework raised meanwhile)
             if self.pending.before is not None:
                 self.pending.before.release()
@@ -202,6 +204,8 @@ class HookedGuard:
         loss_v, norm_v, others_bad = self._read(self._losses, norm, scaler_active, world > 1)
         lr = current_lr(optimizers)
         skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
+        # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
+        scale = float(scaler.get_scale()) if skipped else None
         finite = (loss_v is None or math.isfinite(loss_v)) and (norm_v is None or math.isfinite(norm_v) or skipped)
         record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=lr, update_ratio=None, finite=finite,
                             skipped=skipped, scale=scale, epoch=position.epoch if position else None,
@@ -488,6 +492,8 @@ def _headline(report: Report | None, p: Pending) -> str:
     text = headline(report)
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
         text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"
+    elif report.origin is None and report.top is None:   # nothing located or classified: what the check saw
+        text = f"step {p.step}: {p.reason} (not located in-process: replay the capsule)"
     return text
 
 

@@ -264,7 +264,7 @@ class NanprobeCallback(_Base):
                             items=tuple(self._batch_idx))
         scaler = self._scaler(trainer)
         clip = trainer.gradient_clip_val if norm is not None else None
-        if g.check(step, [optimizer], norm=norm, scaler_active=scaler is not None, position=position,
+        if g.check(step, [optimizer], norm=norm, scaler=scaler, position=position,
                    max_grad_norm=float(clip) if clip else None):
             skip_update([optimizer], scaler)
 

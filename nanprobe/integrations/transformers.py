@@ -268,7 +268,7 @@ class NanprobeCallback(_Base):
                     _stage(scaler, opt) != "unscaled":
                 norm = norm / scaler._scale
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        if g.check(step, [opt], norm=norm, scaler_active=scaler is not None, position=position,
+        if g.check(step, [opt], norm=norm, scaler=scaler, position=position,
                    max_grad_norm=clip):
             skip_update([opt], scaler)
         self._stepped = True

@@ -278,7 +278,7 @@ class Watcher:
         else:
             norm, max_norm = total_norm([p.grad for grp in opt.param_groups for p in grp["params"]
                                          if p.grad is not None]), None
-        if g.check(self.steps, [opt], norm=norm, scaler_active=scaler is not None, position=position,
+        if g.check(self.steps, [opt], norm=norm, scaler=scaler, position=position,
                    max_grad_norm=max_norm):
             skip_update([opt], scaler)
         if g.pending is not None and g.pending.step == self.steps:
