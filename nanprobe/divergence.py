@@ -161,13 +161,6 @@ class _Series:
         self.candidate = self.extreme = self.next_cut = math.inf
         self.age = 0                         # values added since the band was computed
 
-    @property
-    def band(self) -> Band | None:
-        if not self.ready:
-            return None
-        return Band(median=self.median, sigma=self.sigma, log=self.log, candidate=self.candidate,
-                    extreme=self.extreme)
-
     def baseline(self) -> float | None:
         pos = [v for v in self.first if v > 0]
         return max(pos) if pos else None
@@ -360,10 +353,6 @@ class Judge:
 
     def __init__(self, cfg: ReplayConfig | GuardConfig):
         self.model = Divergence(Rules.of(cfg))
-
-    @property
-    def skips(self) -> int:
-        return self.model.skips
 
     def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:
         reason = _nonfinite_reason(record, params_finite)

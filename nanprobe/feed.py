@@ -100,7 +100,6 @@ class Stream:
         self.rng = rng
         self.epoch = -1
         self.next_step = 0
-        self.set_epoch_on: list[str] = []
         self._it: Iterator[Any] | None = None
         self._item = 0            # next item index within the epoch (global for callables)
         self._index = 0           # next step index within the epoch
@@ -116,9 +115,6 @@ class Stream:
                 call_user(f"{type(obj).__name__}.set_epoch({self.epoch})", obj.set_epoch, self.epoch)
             except UserCodeError as exc:
                 raise DataLoadError(exc.during, exc.exc) from exc.exc
-            name = type(obj).__name__
-            if name not in self.set_epoch_on:
-                self.set_epoch_on.append(name)
         try:
             self._it = call_user("iter(batches)", iter, self.batches)
         except UserCodeError as exc:
@@ -171,13 +167,11 @@ class Stream:
                 pass
         self._ended = True
 
-    def skip(self, step: int, on_step: Callable[[int], None] | None = None) -> None:
+    def skip(self, step: int) -> None:
         """Consume the items of every step before ``step`` without training (after a user checkpoint)."""
         while self.next_step < step:
             feed = self.open(self.next_step)
             feed.finish()
-            if on_step is not None:
-                on_step(feed.position.step)
 
 
 class LiveFeed:

@@ -215,10 +215,6 @@ class Replayer:
         self._ratio_store: TensorStore | None = None
         self._ratio_slots = None
 
-    @property
-    def precision(self) -> Precision:
-        return self.loop.precision
-
     def options(self) -> RunOptions:
         return RunOptions(precision=self.loop.precision, policy=self.policy)
 

@@ -259,24 +259,7 @@ def capture_user_state(fns: Iterable[Any]) -> list[_Held]:
     return held
 
 
-def user_state_names(held: list[_Held]) -> dict[str, Any]:
-    """``{name: raw value}`` of what the step keeps between calls (to see what a step changed)."""
-    out = {}
-    for h in held:
-        name = h.key if h.kind == "cell" else f"{type(h.holder).__name__}.{h.key}"
-        try:
-            out[name] = h.holder.cell_contents if h.kind == "cell" else getattr(h.holder, h.key)
-        except (ValueError, AttributeError):
-            continue
-    return out
-
-
 # -- the snapshot --------------------------------------------------------------------------------------
-
-
-def _clone_tree(obj: Any) -> Any:
-    """A deep copy of a (small) state dict in which every tensor is a fresh clone."""
-    return copy.deepcopy(obj)
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,9 +420,6 @@ class Snapshot:
     @property
     def storage(self) -> str:
         return self.store.mode if self.store is not None else "device"
-
-    def nbytes(self) -> int:
-        return self.store.nbytes if self.store is not None else 0
 
     def changed_in_place(self) -> list[str]:
         """Names of carried tensors (closure variables, module attributes) the step changed in place."""
@@ -602,7 +582,7 @@ class Objects:
             opt_slots.append(d)
         scheds = []
         for _, s in self.schedulers:
-            scheds.append(_clone_tree(s.state_dict()) if callable(getattr(s, "state_dict", None)) else None)
+            scheds.append(copy.deepcopy(s.state_dict()) if callable(getattr(s, "state_dict", None)) else None)
         return Snapshot(
             tensors=tensors,
             optimizers=[_optimizer_layout(o) for _, o in self.optimizers],
@@ -658,13 +638,8 @@ def apply_carried(carried: dict[str, Any], objects: Objects, notes: list[str]) -
                 setattr(holder, key, value)
 
 
-def restore_flags(flags: list[tuple[torch.nn.Module, bool]]) -> None:
-    for m, flag in flags:
-        m.training = flag
-
-
 __all__ = ["Snapshot", "Objects", "objects_of", "RngTracker", "capture_rng", "set_rng", "module_tensor_attrs",
-           "capture_user_state", "user_state_names", "restore_flags", "apply_carried", "borrowed_globals",
+           "capture_user_state", "apply_carried", "borrowed_globals",
            "borrows_globals"]
 
 

@@ -113,10 +113,6 @@ class Loop:
         self.named_params: list[tuple[str, torch.nn.Parameter]] = list(target.model.named_parameters())
         self.params = [p for _, p in self.named_params]
 
-    @property
-    def form(self) -> str:
-        return self.target.form
-
     def run(self, feed: Feed, options: RunOptions | None = None) -> StepOutcome:
         """Run one step on ``feed``'s micro-batches. ``updates_in_step`` counts the optimizer
         updates it applied (to tell, when the user's code raises, whether the state moved)."""

@@ -176,12 +176,6 @@ class TensorStore:
                 raise OSError(f"snapshot file {self._path} is shorter than expected")
             got += n
 
-    @property
-    def nbytes(self) -> int:
-        if self.mode == "disk":
-            return self._size
-        return sum(t.numel() * t.element_size() for t in self._tensors if t is not None)
-
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()

@@ -69,10 +69,6 @@ class Target:
     def uses_scaler(self) -> bool:
         return bool(self.grad_scaler) if isinstance(self.grad_scaler, bool) else bool(self.user_scalers)
 
-    @property
-    def first_optimizer(self) -> torch.optim.Optimizer | None:
-        opts = self.optimizers
-        return opts[0][1] if opts else None
 
     @property
     def form(self) -> str:

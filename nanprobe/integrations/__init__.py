@@ -26,12 +26,4 @@ def require(module: str, extra: str, what: str) -> ModuleType:
         raise SystemExit(2) from None
 
 
-def available(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-__all__ = ["require", "available"]
+__all__ = ["require"]

@@ -63,11 +63,6 @@ class ForwardStep:
         return total
 
 
-def inner(module: torch.nn.Module) -> torch.nn.Module:
-    from ..capsule import unwrap
-    return unwrap(module)
-
-
 def device_of_module(module: torch.nn.Module) -> str:
     for p in module.parameters():
         return p.device.type
@@ -138,5 +133,5 @@ def update_finding(upd: dict[str, Any], step: int) -> Finding:
                    module=first["parameter"].rpartition(".")[0] or None, op=None, evidence=tuple(lines))
 
 
-__all__ = ["ForwardStep", "find_loss", "batch_of", "update_forensics", "update_finding", "inner",
+__all__ = ["ForwardStep", "find_loss", "batch_of", "update_forensics", "update_finding",
            "device_of_module", "autocast_dtype", "params_module"]

@@ -13,6 +13,8 @@ from torch.amp.grad_scaler import OptState
 
 from ..config import Config
 from ..feed import Position
+from ..capsule import unwrap
+from ..guard import POLICIES   # the guard's policies: a script has no "stop"
 from ..hooked import HookedGuard, HookEvent, skip_update, total_norm
 from ..hooked.guard import Pending
 from ..precision import Precision
@@ -20,10 +22,8 @@ from ..report import Cause, Report, Status
 from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
-from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, inner, params_module,
+from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, params_module,
                       update_finding, update_forensics)
-
-POLICIES = ("skip", "raise", "record")
 
 
 class Watcher:
@@ -134,7 +134,7 @@ class Watcher:
             return
         self._device_type = device_of_module(best)
         self._hook_root(best)
-        self._make_guard(inner(best))
+        self._make_guard(unwrap(best))
         for module, args, kwargs, autocast, rng, loss in first:
             if module is best:
                 self._note_call(args, kwargs, autocast)
