@@ -119,7 +119,7 @@ def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | No
     return set_phase
 
 
-def _scaler_for(loop: Loop, reached: Reached, precision: Precision, grad_scaler: bool | None,
+def _scaler_for(loop: Loop, precision: Precision, grad_scaler: bool | None,
                 scale: float | None) -> Any:
     """The GradScaler a ``loss_fn`` rerun uses (RunOptions.scaler): the loop's own in its precision,
     none outside fp16, a fresh one where a rerun asks for one the run did not have."""
@@ -161,34 +161,23 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     per op; when an op went non-finite, a second pass checks those ops one by one.
     """
     loop = reached.loop
+    kw = dict(probe=probe, fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+              param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
+              tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
+              restore_after=restore_after, phases=phases, ratios=ratios, update=update, emulate_fp16=emulate_fp16)
     if instrument and (loop.device_type == "cuda" if deferred is None else deferred):
-        first = run_step(target, reached, precision, where=where, instrument=True, probe=probe,
-                         fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-                         param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
-                         tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
-                         restore_after=restore_after, phases=phases, ratios=ratios, update=update,
-                         emulate_fp16=emulate_fp16, deferred=False, _mode={"deferred": True})
+        first = _run_step(reached, precision, instrument=True, mode={"deferred": True}, **kw)
         flagged = first.trace.flagged if first.trace is not None else set()
         if not flagged:
             return first
-        second = run_step(target, reached, precision, where=where, instrument=True, probe=probe,
-                          fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-                          param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
-                          tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
-                          restore_after=restore_after, phases=phases, ratios=ratios, update=update,
-                          emulate_fp16=emulate_fp16, deferred=False, _mode={"only": frozenset(flagged)})
+        second = _run_step(reached, precision, instrument=True, mode={"only": frozenset(flagged)}, **kw)
         if second.trace is not None:
             second.trace.reads += first.trace.reads
         return second
-    return _run_step(target, reached, precision, where=where, instrument=instrument, probe=probe,
-                     fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-                     param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
-                     tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
-                     restore_after=restore_after, phases=phases, ratios=ratios, update=update,
-                     emulate_fp16=emulate_fp16, mode=_mode)
+    return _run_step(reached, precision, instrument=instrument, mode=_mode, **kw)
 
 
-def _run_step(target, reached: Reached, precision: Precision, *, where: str, instrument: bool,
+def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
               probe: Probe | None, fp32_module, max_grad_norm, lr_scale, param_overrides, grad_scaler, scale,
               tolerate_errors: bool, observe, source_of_node, restore_after: bool, phases, ratios: bool,
               update: bool, emulate_fp16: bool, mode: dict | None) -> StepTrace:
@@ -210,7 +199,7 @@ def _run_step(target, reached: Reached, precision: Precision, *, where: str, ins
     options = RunOptions(precision=precision, policy=reached.policy, on_phase=_phases(tracker, observe),
                          on_micro=on_micro, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
                          param_overrides=param_overrides,
-                         scaler=_scaler_for(loop, reached, precision, grad_scaler, scale),
+                         scaler=_scaler_for(loop, precision, grad_scaler, scale),
                          stop_before_update=skip_update)
     feed = reached.recorded.feed()
     try:
