@@ -31,7 +31,7 @@ from .feed import DataEnd, Position, Recorded, Stream
 from .precision import Precision, device_of
 from .report import Status, StepRecord
 from .state import RngTracker, SavedModel, Snapshot, StoragePolicy, module_tensor_attrs, set_rng
-from .step import Loop, RunOptions, StepOutcome
+from .step import Loop, StepOutcome
 from .store import TensorStore, choose_mode
 from .target import Target, call_user
 
@@ -212,15 +212,13 @@ class Replayer:
         self.notes: list[str] = []
         self._observed = False
         self._buffers = [b for _, b in target.model.named_buffers()]
+        self._modules = list(target.model.modules())   # walked once, not on every --at step
         self._ratio_store: TensorStore | None = None
         self._ratio_slots = None
 
-    def options(self) -> RunOptions:
-        return RunOptions(precision=self.loop.precision, policy=self.policy)
-
     def light(self) -> _Light:
         return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],
-                      flags=[(m, m.training) for m in self.target.model.modules()])
+                      flags=[(m, m.training) for m in self._modules])
 
     def undo_light(self, light: _Light) -> None:
         with torch.no_grad():
@@ -249,7 +247,7 @@ class Replayer:
         """Run one live step and check it."""
         self.rng.begin_step()
         try:
-            outcome = self.loop.run(feed, self.options())
+            outcome = self.loop.run(feed)
         finally:
             self.rng.end_step()
         if not self._observed:
@@ -272,7 +270,7 @@ class Replayer:
 
     def replay(self, recorded: Recorded) -> StepOutcome:
         """Run a recorded step again (no fetch): the state goes where the live run took it."""
-        return self.loop.run(recorded.feed(), self.options())
+        return self.loop.run(recorded.feed())
 
 
 def storage_policy(cfg: ReplayConfig) -> StoragePolicy:
