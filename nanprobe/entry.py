@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .errors import EntryError, UserCodeError, UserExit
+from .errors import EntryError, UserCodeError, UserExit, short_path
 from .target import Target, call_user, to_device, validate
 
 
@@ -111,7 +111,7 @@ def load_target(entry: str, config: dict | None = None, device: str | None = Non
                       if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
         hint = f"Functions there: {', '.join(candidates)}" if candidates else "Define it in that module"
         raise EntryError(f"no function {func_name!r} in {module.__name__ if not module.__name__.startswith('nanprobe_entry_') else entry.rsplit(':', 1)[0]}",
-                         entry, hint, path=getattr(module, "__file__", None) and _rel(module.__file__))
+                         entry, hint, path=getattr(module, "__file__", None) and short_path(module.__file__))
     if not callable(fn):
         raise EntryError(f"{func_name!r} is a {type(fn).__name__}, not a function", entry,
                          "Point ENTRY at a function that returns a nanprobe.Target or a dict")
@@ -151,9 +151,6 @@ def _source(fn: Any) -> tuple[str | None, int | None]:
         _, lineno = inspect.getsourcelines(fn)
     except (TypeError, OSError):
         return None, None
-    return (_rel(file) if file else None), lineno
+    return (short_path(file) if file else None), lineno
 
 
-def _rel(path: str) -> str:
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel

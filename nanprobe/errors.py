@@ -151,9 +151,9 @@ def user_frame(exc: BaseException) -> tuple[str | None, int | None]:
     for frame, lineno in traceback.walk_tb(exc.__traceback__):
         filename = frame.f_code.co_filename
         if not _is_library_file(filename):
-            found = (_short(filename), lineno)
+            found = (short_path(filename), lineno)
     if isinstance(exc, SyntaxError) and exc.filename and not _is_library_file(exc.filename):
-        return _short(exc.filename), exc.lineno
+        return short_path(exc.filename), exc.lineno
     return found
 
 
@@ -164,14 +164,15 @@ def user_source_frame(start=None) -> tuple[str | None, int | None, str | None]:
         filename = frame.f_code.co_filename
         if not _is_library_file(filename):
             line = linecache.getline(filename, frame.f_lineno).strip() or None
-            return _short(filename), frame.f_lineno, line
+            return short_path(filename), frame.f_lineno, line
         frame = frame.f_back
     return None, None, None
 
 
-def _short(filename: str) -> str:
+def short_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the working directory when it lies below it, else as given."""
     try:
-        rel = os.path.relpath(filename)
+        rel = os.path.relpath(path)
     except ValueError:
-        return filename
-    return filename if rel.startswith("..") else rel
+        return str(path)
+    return str(path) if rel.startswith("..") else rel

@@ -90,11 +90,22 @@ def _guard_config(config: Any) -> GuardConfig:
                      "Pass a nanprobe Config, its .guard section, a YAML path or a dict of guard keys")
 
 
-def _distributed() -> tuple[int, int]:
+def distributed() -> tuple[int, int]:
+    """(rank, world size) under torch.distributed, else (0, 1)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
+    """The first optimizer's first group's LR as a float (None for a tensor LR off the CPU: no sync)."""
+    if not optimizers or not optimizers[0].param_groups:
+        return None
+    lr = optimizers[0].param_groups[0].get("lr")
+    if isinstance(lr, torch.Tensor):
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
+    return float(lr) if isinstance(lr, (int, float)) else None
 
 
 class Guard:
@@ -322,7 +333,7 @@ class Guard:
         if self._attrs is None:   # after the first step's forward: tensors modules keep as attributes
             self._attrs = [a for a in module_tensor_attrs(_capsule.unwrap(self.model))]
         loss = self._loss
-        rank, world = _distributed()
+        rank, world = distributed()
         loss_v, norm_v, others_bad = self._read(loss, norm, scaler, world > 1)
         reason, status = self._judge(loss_v, norm_v, scaler is not None)
         scaler_skip = (scaler is not None and norm_v is not None and not math.isfinite(norm_v)
@@ -413,12 +424,7 @@ class Guard:
         self._t_loss, self._t_norm = self._div.loss_cut(), self._div.norm_cut()
 
     def _lr(self) -> float | None:
-        if not self.optimizers or not self.optimizers[0].param_groups:
-            return None
-        lr = self.optimizers[0].param_groups[0].get("lr")
-        if isinstance(lr, torch.Tensor):
-            return float(lr) if lr.device.type == "cpu" else None
-        return float(lr) if isinstance(lr, (int, float)) else None
+        return current_lr(self.optimizers)
 
     def _weights_finite(self) -> bool:
         params = [p.detach() for p in _capsule.unwrap(self.model).parameters()]
@@ -531,13 +537,7 @@ class Guard:
         return True
 
     def _command(self, path: Path) -> str:
-        try:
-            rel = os.path.relpath(path)
-            shown = rel if not rel.startswith("..") else str(path)
-        except ValueError:
-            shown = str(path)
-        entry = shlex.quote(self.entry) if self.entry else "ENTRY"
-        return f"nanprobe run {entry} --capsule {shlex.quote(shown)}"
+        return _capsule.replay_command(self.entry, path)
 
     # -- state ---------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .batch import iter_tensors
-from .errors import _is_library_file, _short, user_source_frame
+from .errors import _is_library_file, short_path, user_source_frame
 from .precision import Limits, limits
 from .report import ModuleRange, Phase
 
@@ -686,7 +686,7 @@ def _anomaly_source(node: Any) -> tuple[str | None, str | None]:
         m = _FRAME.search(frame)
         if m and not _is_library_file(m.group("file")):
             lines = frame.strip().splitlines()
-            return f"{_short(m.group('file'))}:{m.group('line')}", (lines[1].strip() if len(lines) > 1 else None)
+            return f"{short_path(m.group('file'))}:{m.group('line')}", (lines[1].strip() if len(lines) > 1 else None)
     return None, None
 
 

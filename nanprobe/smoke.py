@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 import socket
 import time
 import xml.etree.ElementTree as ET
@@ -214,8 +213,7 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
     path = command = None
     try:
         path = _capsule.write(_capsule.build_from_reached(reached, entry=entry_str), folder)
-        shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
-        command = f"nanprobe run {shlex.quote(entry_str) if entry_str else 'ENTRY'} --capsule {shlex.quote(shown)}"
+        command = _capsule.replay_command(entry_str, path)
     except OSError as exc:
         notes.append(f"capsule not written: {exc.strerror or exc}")
     reached.reached_by = f"trained from scratch with the guard's checks; step {reached.step} failed"

@@ -13,6 +13,7 @@ import os
 import platform
 import random
 import re
+import shlex
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..errors import CapsuleError
+from ..errors import CapsuleError, short_path
 from ..precision import Precision, device_of, parse_precision
 from ..report import Status, StepRecord
 from .codec import encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
@@ -250,5 +251,10 @@ def list_capsules(folder: str | os.PathLike, step: int | None = None) -> list[Pa
     return sorted(out)
 
 
-__all__ = ["Capsule", "build", "write", "read", "list_capsules", "record_dict", "to_record", "FORMAT", "SUFFIX",
-           "NAME"]
+def replay_command(entry: str | None, path: str | os.PathLike) -> str:
+    """The command that replays capsule ``path`` (``ENTRY`` where the entrypoint is not known)."""
+    return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --capsule {shlex.quote(short_path(path))}"
+
+
+__all__ = ["Capsule", "build", "write", "read", "list_capsules", "record_dict", "to_record", "replay_command",
+           "FORMAT", "SUFFIX", "NAME"]

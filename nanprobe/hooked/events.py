@@ -12,7 +12,8 @@ import torch
 
 from ..config import Config, load_config
 from ..errors import EXIT_FOUND, NanprobeError, UsageError
-from ..guard import GuardTripped
+from ..errors import short_path as shown   # a path as the user reads it
+from ..guard import GuardTripped, current_lr, distributed
 
 POLICIES = ("skip", "raise", "stop", "record")
 
@@ -92,13 +93,6 @@ def resolve_config(config: Any, where: str, **guard: Any) -> Config:
     return _build({"guard": overrides}, where, base=cfg) if overrides else cfg
 
 
-def distributed() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def skip_update(optimizers: Iterable[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None = None) -> None:
     """Make the coming ``optimizer.step()`` of each optimizer change nothing (weights and optimizer state):
     its gradients are set to None (torch's optimizers skip parameters without a gradient).
@@ -138,23 +132,6 @@ def grads_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads) if grads else None
-
-
-def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
-    if not optimizers or not optimizers[0].param_groups:
-        return None
-    lr = optimizers[0].param_groups[0].get("lr")
-    if isinstance(lr, torch.Tensor):
-        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
-    return float(lr) if isinstance(lr, (int, float)) else None
-
-
-def shown(path: str | os.PathLike) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return str(path)
-    return str(path) if rel.startswith("..") else rel
 
 
 

@@ -29,7 +29,6 @@ import datetime as _dt
 import logging
 import math
 import os
-import shlex
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -51,7 +50,7 @@ from ..report import Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
-from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, shown, \
+from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
 
 
@@ -397,8 +396,7 @@ class HookedGuard:
             why = f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
                   f"{self.gcfg.max_consecutive_skips}"
         action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
-        command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} " \
-                  f"--capsule {shlex.quote(shown(p.capsule))}" if p.capsule else None
+        command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else None
         headline = _headline(report, p)
         path = None
         if report is not None:
