@@ -316,13 +316,15 @@ class NanprobeCallback(_Base):
             self._deferred = None
             g.reset()
         step, epoch = self._current or (int(trainer.global_step) - 1, int(trainer.current_epoch))
-        self._step.batch_idx.pop(step, None)
-        self._step.epoch.pop(step, None)
         self._current = None
-        if g.pending is None:   # a good step
-            return
-        with _global_step_at(trainer, step):   # the reruns see the trainer as the step did
-            event = g.conclude(extra={"global_step": step, "epoch": epoch, "framework": _version()})
+        try:
+            if g.pending is None:   # a good step
+                return
+            with _global_step_at(trainer, step):   # the reruns see the trainer as the step did
+                event = g.conclude(extra={"global_step": step, "epoch": epoch, "framework": _version()})
+        finally:   # the reruns above read the step's batch_idx and epoch from these
+            self._step.batch_idx.pop(step, None)
+            self._step.epoch.pop(step, None)
         if event is not None and event.action == "stopped":
             trainer.should_stop = True
 
