@@ -491,8 +491,7 @@ class Guard:
 
     def _write_capsule(self, step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm,
                        rank, world) -> Path | None:
-        limit = self.cfg.max_capsules
-        if limit == 0 or (limit == 1 and self.capsules):
+        if _capsule.no_room(self.capsules, self.cfg.max_capsules):
             return None
         rng = dict(self._rng) if self._rng is not None else capture_rng(self._device_type)
         micro_rng = [dict(r) for r in self._micro_rng] or [rng]
@@ -500,8 +499,7 @@ class Guard:
             host = capture_rng("cpu", host=True)
             for r in [rng, *micro_rng]:
                 r.update({k: v for k, v in host.items() if k in ("python", "numpy")})
-        carried = {"attrs": {q: v for q, v in self._carried.items()
-                             if v is None or isinstance(v, (torch.Tensor, tuple, list))}} if self._carried else {}
+        carried = _capsule.carried_attrs(self._carried)
         data = _capsule.build(model=self.model, optimizers=self.optimizers, schedulers=self.schedulers,
                               scalers=[scaler] if scaler is not None else [],
                               micro_batches=self._batches if self._batches else None, rng=rng, micro_rng=micro_rng,
@@ -512,13 +510,7 @@ class Guard:
                               grad_scaler=scaler is not None)
         path = _capsule.write(data, self.capsule_dir)
         self.capsules.append(path)
-        while len(self.capsules) > limit:   # keep the first capsule (the first bad step) and the newest
-            old = self.capsules.pop(1)
-            if self._own_capsule(old):
-                try:
-                    old.unlink()
-                except OSError:
-                    pass
+        _capsule.prune(self.capsules, self.cfg.max_capsules, self._own_capsule)
         return path
 
     def _own_capsule(self, path: Path) -> bool:

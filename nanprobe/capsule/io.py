@@ -15,7 +15,7 @@ import random
 import re
 import shlex
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,10 +251,34 @@ def list_capsules(folder: str | os.PathLike, step: int | None = None) -> list[Pa
     return sorted(out)
 
 
+def no_room(capsules: list[Path], limit: int) -> bool:
+    """No capsule is written at all (``limit`` 0), or only the first bad step's (``limit`` 1)."""
+    return limit == 0 or (limit == 1 and bool(capsules))
+
+
+def prune(capsules: list[Path], limit: int, may_delete: Callable[[Path], bool] = lambda path: True) -> None:
+    """Cut a guard's list of written capsules (oldest first) to ``limit``: the first capsule (the first
+    bad step) and the newest stay; the files of the others are deleted where ``may_delete`` allows."""
+    while len(capsules) > limit:
+        old = capsules.pop(1)
+        if may_delete(old):
+            try:
+                old.unlink()
+            except OSError:
+                pass
+
+
+def carried_attrs(carried: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``carried`` field of a guard's capsule: the module tensor attributes a capsule can hold."""
+    if not carried:
+        return {}
+    return {"attrs": {q: v for q, v in carried.items() if v is None or isinstance(v, (torch.Tensor, tuple, list))}}
+
+
 def replay_command(entry: str | None, path: str | os.PathLike) -> str:
     """The command that replays capsule ``path`` (``ENTRY`` where the entrypoint is not known)."""
     return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --capsule {shlex.quote(short_path(path))}"
 
 
 __all__ = ["Capsule", "build", "write", "read", "list_capsules", "record_dict", "to_record", "replay_command",
-           "FORMAT", "SUFFIX", "NAME"]
+           "no_room", "prune", "carried_attrs", "FORMAT", "SUFFIX", "NAME"]

@@ -341,12 +341,10 @@ class HookedGuard:
 
     def _write_capsule(self, loop: Loop, items, rng, rng_after, step, status, reason, record, position, rank,
                        world, local) -> Path | None:
-        limit = self.gcfg.max_capsules
-        if limit == 0 or (limit == 1 and self.capsules):
+        if _capsule.no_room(self.capsules, self.gcfg.max_capsules):
             return None
         target = loop.target
-        carried = {"attrs": {q: v for q, v in self._carried.items()
-                             if v is None or isinstance(v, (torch.Tensor, tuple, list))}} if self._carried else {}
+        carried = _capsule.carried_attrs(self._carried)
         pos = None if position is None else {"epoch": position.epoch, "index": position.index,
                                              "items": list(position.items)}
         data = _capsule.build(model=target.model, optimizers=[o for _, o in target.optimizers],
@@ -359,12 +357,7 @@ class HookedGuard:
                               **self._loop_settings)
         path = _capsule.write(data, self.dirpath)
         self.capsules.append(path)
-        while len(self.capsules) > limit:   # keep the first capsule (the first bad step) and the newest
-            old = self.capsules.pop(1)
-            try:
-                old.unlink()
-            except OSError:
-                pass
+        _capsule.prune(self.capsules, self.gcfg.max_capsules)
         return path
 
     # -- after the framework's step: diagnose ---------------------------------------------------------
