@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .classify import Evidence, explained_by, op_base, semantic_name
+from .classify.raised import LABEL_OUT_OF_RANGE
+from .classify.rules import constant, lrs_seen, multiplier_above_one
 from .instrument import LOSS_FN
 from .precision import Precision
 from .report import Cause, Finding, Fix, Phase, Status
@@ -267,12 +269,8 @@ def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
 # -- lr -----------------------------------------------------------------------------------------
 @fix_for(Cause.LR_SPIKE)
 def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
-    lrs = [h.lr for h in ev.reached.history if h.lr is not None]
-    if ev.reached.record is not None and ev.reached.record.lr is not None:
-        lrs.append(ev.reached.record.lr)
-    lambda_lr = ev.reached.scheduler_kind in ("LambdaLR", "MultiplicativeLR") and lrs and ev.reached.scheduler_base_lrs \
-        and max(lrs) > max(ev.reached.scheduler_base_lrs) * 1.0001
-    if lambda_lr:
+    lrs = lrs_seen(ev.reached)
+    if lrs and multiplier_above_one(ev.reached, max(lrs)):
         return Fix(title="Fix the schedule: the LambdaLR multiplier must stay <= 1",
                    code="warmup = 1000  # steps\n"
                         "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
@@ -280,7 +278,7 @@ def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
                         f"\n# your LR reached {max(lrs):.3g}, {max(lrs) / max(ev.reached.scheduler_base_lrs):.3g}x "
                         "the base LR",
                    why="LambdaLR multiplies the base LR by what the lambda returns; above 1 the LR grows with it")
-    if lrs and max(lrs) <= min(lrs) * 1.0001:
+    if constant(lrs):
         lr = lrs[-1]
         return Fix(title=f"Lower the learning rate (it is {lr:.3g}, constant) and warm up to it",
                    code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr / 100:.3g})  "
@@ -337,7 +335,7 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                         f"loss = loss_sum / (labels != {ii}).sum().clamp_min(1)",
                    why="a mean over zero labels is 0/0 = NaN; a count clamped at 1 gives loss 0 instead")
     values = {p.value for p in ev.data if p.code == "label_out_of_range" and p.value is not None}
-    raised = re.search(r"Target (-?\d+) is out of bounds", str(ev.reached.error.exc)) if ev.reached.error else None
+    raised = re.search(LABEL_OUT_OF_RANGE, str(ev.reached.error.exc)) if ev.reached.error else None
     if raised:
         values.add(float(raised.group(1)))
     if len(values) == 1 and next(iter(values)) in (255.0, 65535.0, -1.0):

@@ -117,7 +117,10 @@ def holding(batch, value: int) -> tuple[str, list[int]] | None:
     return None
 
 
-@on_error(r"Target (-?\d+) is out of bounds")
+LABEL_OUT_OF_RANGE = r"Target (-?\d+) is out of bounds"   # cross_entropy / nll_loss on a label >= C
+
+
+@on_error(LABEL_OUT_OF_RANGE)
 def label_out_of_range(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     value = int(m.group(1))
     lines = [_first_line(ev), f"label {value} is not a class of the model's output (and not ignore_index "

@@ -38,6 +38,24 @@ def data_rule(ev: Evidence) -> list[Finding]:
 
 # -- divergence: is the step size to blame? ----------------------------------------------------------
 
+def lrs_seen(reached) -> list[float]:
+    """The LRs of the recent steps and of the reached step, oldest first."""
+    lrs = [h.lr for h in reached.history if h.lr is not None]
+    cur = reached.record.lr if reached.record else None
+    return lrs + ([cur] if cur is not None else [])
+
+
+def constant(lrs: list[float]) -> bool:
+    return bool(lrs) and max(lrs) <= min(lrs) * 1.0001
+
+
+def multiplier_above_one(reached, lr: float | None) -> bool:
+    """A LambdaLR / MultiplicativeLR that drove the LR above its base LR: its multiplier left [0, 1]."""
+    base = reached.scheduler_base_lrs
+    return lr is not None and bool(base) and lr > max(base) * 1.0001 and \
+        reached.scheduler_kind in ("LambdaLR", "MultiplicativeLR")
+
+
 def _lr_lines(ev: Evidence, hist: list[StepRecord]) -> tuple[list[str], float]:
     cfg = ev.cfg
     lines: list[str] = []
@@ -52,11 +70,10 @@ def _lr_lines(ev: Evidence, hist: list[StepRecord]) -> tuple[list[str], float]:
             lines.append(f"learning rate rose from {g(base)} to {g(peak)} ({peak / base:.0f}x) in the steps before "
                          f"step {ev.reached.step}")
             strength = 0.6
-        elif max(seen) <= min(seen) * 1.0001:
+        elif constant(seen):
             lines.append(f"learning rate {g(seen[-1])}, constant over the {len(seen)} step(s) seen")
     sched = ev.reached.scheduler_base_lrs
-    if cur is not None and sched and cur > max(sched) * 1.0001 and ev.reached.scheduler_kind in ("LambdaLR",
-                                                                                               "MultiplicativeLR"):
+    if multiplier_above_one(ev.reached, cur):
         lines.append(f"{ev.reached.scheduler_kind} drives the LR to {g(cur)}, {cur / max(sched):.3g}x its base "
                      f"LR {g(max(sched))}: the multiplier should stay <= 1")
         strength = max(strength, 0.5) + (0.2 if strength else 0)
