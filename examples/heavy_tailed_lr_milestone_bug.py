@@ -17,37 +17,13 @@ diagnosis: cause ``lr_spike``, phase ``update``, step 31, with the LR jump
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-N_FEATURES, BATCH_SIZE, N_STEPS = 6, 32, 50
+try:  # imported as part of a package (``examples.heavy_tailed_lr_milestone_bug``)
+    from .control_heavy_tailed_loss import DelayModel, make_batches, mse
+except ImportError:  # run as a script or loaded from its path
+    from control_heavy_tailed_loss import DelayModel, make_batches, mse
 
-
-class DelayModel(nn.Module):
-    def __init__(self, n_features: int = N_FEATURES, hidden: int = 32):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
-        self.head = nn.Linear(hidden, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x)).squeeze(-1)
-
-
-def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(N_FEATURES, generator=g)
-    batches = []
-    for _ in range(N_STEPS):
-        x = torch.randn(BATCH_SIZE, N_FEATURES, generator=g)
-        z = torch.randn(BATCH_SIZE, generator=g)
-        u = torch.rand(BATCH_SIZE, generator=g).clamp_min(1e-6)
-        batches.append((x, x @ w * 0.5 + z * u.pow(-1 / 1.5) * 0.5))   # Pareto(1.5)-scaled noise
-    return batches
-
-
-def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.mse_loss(model(x), y)
+N_STEPS = 50   # the first 50 of the control's batches
 
 
 def target():
@@ -55,7 +31,7 @@ def target():
     model = DelayModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=3e-3, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[30], gamma=100)   # BUG: 0.01
-    return {"model": model, "loss_fn": mse, "batches": make_batches(), "optimizer": optimizer,
+    return {"model": model, "loss_fn": mse, "batches": make_batches()[:N_STEPS], "optimizer": optimizer,
             "scheduler": scheduler, "max_grad_norm": 5.0, "precision": "fp32"}
 
 
