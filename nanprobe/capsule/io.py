@@ -8,6 +8,7 @@ closure variables). Format 1 capsules (one batch, one optimizer) still load.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -36,11 +37,7 @@ _REQUIRED = ("step", "precision", "model", "fingerprint", "rng", "history")
 
 
 def record_dict(r: StepRecord | dict) -> dict[str, Any]:
-    if isinstance(r, StepRecord):
-        return {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
-                "update_ratio": r.update_ratio, "finite": r.finite, "skipped": r.skipped, "scale": r.scale,
-                "epoch": r.epoch, "index": r.index, "losses": dict(r.losses)}
-    return dict(r)
+    return dataclasses.asdict(r) if isinstance(r, StepRecord) else dict(r)
 
 
 def to_record(d: dict[str, Any]) -> StepRecord:
