@@ -98,6 +98,15 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def check_guard_config(cfg: GuardConfig, where: str) -> None:
+    """The guard: settings a config file cannot check by type alone."""
+    if cfg.rng_states not in RNG_MODES:
+        raise UsageError(f"guard.rng_states is {cfg.rng_states!r}", where, f"Use one of: {', '.join(RNG_MODES)}")
+    if cfg.check_every < 1:
+        raise UsageError(f"guard.check_every is {cfg.check_every}", where,
+                         "Use 1 to check every step, or k to check every k-th step")
+
+
 def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
     """The first optimizer's first group's LR as a float (None for a tensor LR off the CPU: no sync)."""
     if not optimizers or not optimizers[0].param_groups:
@@ -169,12 +178,7 @@ class Guard:
                      if v is not None}
         if overrides:
             cfg = _build({"guard": overrides}, "nanprobe.Guard(...)", base=Config(guard=cfg)).guard
-        if cfg.rng_states not in RNG_MODES:
-            raise UsageError(f"guard.rng_states is {cfg.rng_states!r}", "nanprobe.Guard",
-                             f"Use one of: {', '.join(RNG_MODES)}")
-        if cfg.check_every < 1:
-            raise UsageError(f"guard.check_every is {cfg.check_every}", "nanprobe.Guard",
-                             "Use 1 to check every step, or k to check every k-th step")
+        check_guard_config(cfg, "nanprobe.Guard")
         self.model = model
         self.optimizer = optimizer
         self.optimizers = [o for _, o in optimizers]

@@ -380,3 +380,16 @@ def test_the_readmes_integration_examples_print_what_it_shows(tmp_path, monkeypa
         assert f"{script}:{_line(path, src)}" in lines[0]
     reports = sorted((tmp_path / "nanprobe-reports").glob("*.json"))
     assert len(reports) == 1 and json.loads(reports[0].read_text())["findings"][0]["cause"] == cause
+
+
+@pytest.mark.parametrize("guard, message", [({"rng_states": "bogus"}, "guard.rng_states is 'bogus'"),
+                                            ({"check_every": 0}, "guard.check_every is 0")])
+def test_the_hooked_guard_refuses_guard_settings_the_library_guard_refuses(guard, message):
+    from nanprobe.config import _build
+    from nanprobe.errors import UsageError
+    from nanprobe.hooked import HookedGuard
+
+    cfg = _build({"guard": guard}, "test")
+    with pytest.raises(UsageError, match=message):
+        HookedGuard(command="watch", who="nanprobe watch", model=nn.Linear(2, 2), build_target=lambda: None,
+                    config=cfg)

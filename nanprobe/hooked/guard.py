@@ -50,6 +50,7 @@ from ..report import Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
+from ..guard import check_guard_config
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
 
@@ -96,6 +97,7 @@ class HookedGuard:
         self.who = who
         self.cfg = config or load_config()
         self.gcfg = self.cfg.guard
+        check_guard_config(self.gcfg, who)
         self.policy = check_policy(policy, allowed, who)
         self.dirpath = Path(dirpath)
         self.entry = entry
@@ -142,7 +144,7 @@ class HookedGuard:
         if self.busy:
             return
         if not self._items:
-            self._checked = step % max(self.gcfg.check_every, 1) == 0
+            self._checked = step % self.gcfg.check_every == 0
             if self._checked:
                 self.rngs.begin_step()
                 if self._buffers:
