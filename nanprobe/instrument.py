@@ -57,7 +57,7 @@ _MOVERS = {
 }
 
 
-def _narrowing_cast(func, args, kwargs, out) -> bool:
+def _narrowing_cast(args, out) -> bool:
     """Whether a dtype conversion can overflow: to a type whose range is smaller (fp32 -> fp16)."""
     if not isinstance(out, torch.Tensor) or not out.is_floating_point():
         return False
@@ -68,6 +68,7 @@ def _narrowing_cast(func, args, kwargs, out) -> bool:
 
 
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+_UNCHECKED = _SKIP | _MOVERS | _CASTS   # one set lookup per op on the dispatch path
 
 MAX_EVENTS = 12
 _OP_NAMES: dict[Any, str] = {}
@@ -244,13 +245,13 @@ class _OriginMode(TorchDispatchMode):
         tr = self.tracker
         if not tr.active:
             return func(*args, **kwargs)
-        if func in _SKIP or func in _MOVERS or func.is_view or func in _CASTS:
+        if func in _UNCHECKED or func.is_view:
             try:   # not checked for new non-finite values, but where a step raises is always noted
                 out = func(*args, **kwargs)
             except Exception:
                 tr._failed(func, args, kwargs)
                 raise
-            if func in _CASTS and _narrowing_cast(func, args, kwargs, out):
+            if func in _CASTS and _narrowing_cast(args, out):
                 tr._check(func, args, kwargs, out, [], None)
             return out
         mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
