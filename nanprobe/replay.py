@@ -32,7 +32,7 @@ from .precision import Precision, device_of
 from .report import Status, StepRecord
 from .state import RngTracker, SavedModel, Snapshot, StoragePolicy, module_tensor_attrs, set_rng
 from .step import Loop, StepOutcome
-from .store import TensorStore, choose_mode
+from .store import TensorStore
 from .target import Target, call_user
 
 
@@ -237,8 +237,7 @@ class Replayer:
         if self._ratio_store is None:
             nbytes = sum(p.numel() * p.element_size() for _, p in named)
             pol = self.loop.objects.storage
-            self._ratio_store = TensorStore(choose_mode(pol.mode, self.device_type, nbytes, pol.memory_mb),
-                                            pol.directory)
+            self._ratio_store = pol.new_store(self.device_type, nbytes)
         self._ratio_slots = self._ratio_store.put_all([p for _, p in named], reuse=self._ratio_slots)
         return SavedModel([(n, p, slot) for (n, p), slot in zip(named, self._ratio_slots)])
 

@@ -270,6 +270,10 @@ class StoragePolicy:
     memory_mb: float = 32.0        # auto: states up to this size stay on the device
     directory: str | None = None   # disk: folder for the snapshot file (None: the system's temp folder)
 
+    def new_store(self, device_type: str, nbytes: int) -> TensorStore:
+        """An empty store for ``nbytes`` of tensors from ``device_type``, where this policy puts them."""
+        return TensorStore(choose_mode(self.mode, device_type, nbytes, self.memory_mb), self.directory)
+
 
 def _state_tensors(opt: torch.optim.Optimizer) -> list[tuple[int, Any, torch.Tensor]]:
     """``(param index, key, tensor)`` for every tensor of the optimizer's per-parameter state."""
@@ -567,7 +571,7 @@ class Objects:
         else:
             nbytes = sum(t.numel() * t.element_size() for t in flat)
             p = self.storage
-            store = TensorStore(choose_mode(p.mode, device_type, nbytes, p.memory_mb), p.directory)
+            store = p.new_store(device_type, nbytes)
             old = None
         slots = store.put_all(flat, reuse=old)
         n = len(named)

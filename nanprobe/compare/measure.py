@@ -208,11 +208,8 @@ class _Capture:
         if self.reference:
             if store.grad_store is None:
                 from ..state import StoragePolicy
-                from ..store import TensorStore, choose_mode
                 pol = store.storage or StoragePolicy()
-                nbytes = sum(g.numel() * 4 for g in grads)
-                store.grad_store = TensorStore(choose_mode(pol.mode, grads[0].device.type, nbytes, pol.memory_mb),
-                                               pol.directory)
+                store.grad_store = pol.new_store(grads[0].device.type, sum(g.numel() * 4 for g in grads))
             slots = store.grad_store.put_all([g.float() if g.dtype != torch.float32 else g for g in grads])
             store.grads.update({name: slot for (name, _), slot in zip(named, slots)})
         scratch: dict[tuple, torch.Tensor] = {}
