@@ -128,24 +128,27 @@ def describe(report: Report, steps_run: int | None = None, *, capsule: str | Non
 
 # -- loading what to train ----------------------------------------------------------------------------
 
-def _load(obj: Any) -> tuple[Loaded, Callable[[], Loaded] | None, str | None]:
-    """ENTRY string / Loaded / Target / dict / zero-arg callable -> (Loaded, rebuild, entry string)."""
+def _scaler_skips(history) -> tuple[int, tuple[str, ...]]:
+    """GradScaler's normal skips among the steps run, and the note that says so."""
+    skips = sum(1 for h in history if h.skipped and h.finite)
+    return skips, (f"GradScaler skipped {skips} step(s) while lowering its scale (normal, not failures)",) \
+        if skips else ()
+
+
+def _load(obj: Any) -> tuple[Loaded, str | None]:
+    """ENTRY string / Loaded / Target / dict / zero-arg callable -> (Loaded, entry string)."""
     if isinstance(obj, str):
-        return load_target(obj), (lambda: load_target(obj)), obj
+        return load_target(obj), obj
     if isinstance(obj, Loaded):
-        return obj, None, obj.entry
+        return obj, obj.entry
     if isinstance(obj, (Target, dict)):
         where = f"<{type(obj).__name__}>"
-        return Loaded(target=validate(obj, where), entry=where, module="", function="", path=None, lineno=None), \
-            None, None
+        return Loaded(target=validate(obj, where), entry=where, module="", function="", path=None, lineno=None), None
     if callable(obj):
         name = getattr(obj, "__qualname__", type(obj).__name__)
-
-        def build() -> Loaded:
-            target = validate(call_user(f"{name}()", obj), name)
-            return Loaded(target=target, entry=name, module=getattr(obj, "__module__", "") or "",
-                          function=name, path=None, lineno=None)
-        return build(), build, None
+        target = validate(call_user(f"{name}()", obj), name)
+        return Loaded(target=target, entry=name, module=getattr(obj, "__module__", "") or "", function=name,
+                      path=None, lineno=None), None
     raise UsageError(f"cannot train a {type(obj).__name__}", "nanprobe.smoke",
                      "Pass ENTRY ('train.py:fn'), a nanprobe.Target, a dict, or a function returning one")
 
@@ -180,7 +183,7 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
     progress = on_progress or (lambda msg: None)
     started = time.perf_counter()
     progress("loading the entrypoint")
-    loaded, _, entry_str = _load(entry)
+    loaded, entry_str = _load(entry)
     target = loaded.target
     try:
         prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
@@ -198,18 +201,15 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
             raise UsageError(f"the data ended after {done.steps} steps{epochs}, before --steps {steps}", loaded.where,
                              "Lower --steps, raise the target's 'epochs', or give more batches") from None
         history = list(done.history)
-        skips = sum(1 for h in history if h.skipped and h.finite)
-        notes = (f"GradScaler skipped {skips} step(s) while lowering its scale (normal, not failures)",) if skips else ()
+        skips, notes = _scaler_skips(history)
         report = Report(command="smoke", entry=loaded.entry, step=None, status=Status.FINITE,
                         device=describe_device(device), precision=prec.value,
                         history=tuple(history[-cfg.replay.history:]), notes=notes,
                         reached_by=f"trained {done.steps} steps from scratch with the guard's checks")
         return _result(loaded.entry, steps, done.steps, report, None, None, skips, started, ())
     steps_run = reached.step + 1
-    skips = sum(1 for h in reached.history if h.skipped and h.finite)
-    notes: list[str] = []
-    if skips:
-        notes.append(f"GradScaler skipped {skips} step(s) while lowering its scale (normal, not failures)")
+    skips, skip_notes = _scaler_skips(reached.history)
+    notes = list(skip_notes)
     path = command = None
     try:
         path = _capsule.write(_capsule.build_from_reached(reached, entry=entry_str), folder)
