@@ -75,7 +75,6 @@ class Pending:
     corrupt: bool
     rank: int
     world: int
-    notes: list[str]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
     compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
 
@@ -128,7 +127,6 @@ class HookedGuard:
         self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
         self._carried: dict[str, Any] = {}
-        self._loop_settings: dict[str, Any] = {}   # the bad step's clipping and GradScaler, for its capsule
         self._buffers = [b for m in model.modules() for name, b in m._buffers.items()
                          if b is not None and name not in m._non_persistent_buffers_set]
         self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
@@ -221,8 +219,8 @@ class HookedGuard:
             self.history.append(record)
             self.consecutive = 0
             return False
-        self._loop_settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler_active}
-        return self._bad(step, status, reason or "bad step", local, record, position, rank, world)
+        settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler_active}   # for the capsule
+        return self._bad(step, status, reason or "bad step", local, record, position, rank, world, settings)
 
     def _thresholds(self) -> tuple[float, float]:
         """The divergence model's cut-offs for this step (for the on-device flag all ranks reduce): a
@@ -291,9 +289,8 @@ class HookedGuard:
         return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
     def _bad(self, step: int, status: Status, reason: str, local: bool, record: StepRecord,
-             position: Position | None, rank: int, world: int) -> bool:
+             position: Position | None, rank: int, world: int, settings: dict[str, Any]) -> bool:
         self.consecutive += 1
-        notes: list[str] = []
         if self.policy != "record" and self._shadow:
             torch._foreach_copy_(self._buffers, self._shadow)   # BatchNorm statistics as before the step
         corrupt = not self._weights_finite()   # rare path: a sync here is fine
@@ -315,13 +312,13 @@ class HookedGuard:
         if not corrupt:
             try:
                 path = self._write_capsule(loop, items, rng, rng_after, step, status, reason, record, position,
-                                           rank, world, local)
+                                           rank, world, local, settings)
             except OSError as exc:
                 note = f"capsule not written: {exc.strerror or exc}"
         self.pending = Pending(step=step, status=status, reason=reason, local=local, record=record,
                                 history=list(self.history), loop=loop, before=before, items=items,
                                 rng_after=rng_after, position=position, capsule=path, capsule_note=note,
-                                corrupt=corrupt, rank=rank, world=world, notes=notes)
+                                corrupt=corrupt, rank=rank, world=world)
         # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
         self.history.append(record)
         if self.on_bad is not None:
@@ -342,7 +339,7 @@ class HookedGuard:
                 setattr(m, attr, now[qual])
 
     def _write_capsule(self, loop: Loop, items, rng, rng_after, step, status, reason, record, position, rank,
-                       world, local) -> Path | None:
+                       world, local, settings: dict[str, Any]) -> Path | None:
         if _capsule.no_room(self.capsules, self.gcfg.max_capsules):
             return None
         target = loop.target
@@ -356,7 +353,7 @@ class HookedGuard:
                               reason=reason, record=_capsule.record_dict(record),
                               history=[_capsule.record_dict(h) for h in self.history], entry=self.entry, rank=rank,
                               world_size=world, local=local, position=pos, carried=carried, form=target.form,
-                              **self._loop_settings)
+                              **settings)
         path = _capsule.write(data, self.dirpath)
         self.capsules.append(path)
         _capsule.prune(self.capsules, self.gcfg.max_capsules)
@@ -429,7 +426,7 @@ class HookedGuard:
                                                              position=p.position),
                               snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
                               reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
-                              notes=list(p.notes), **scheduler_info(target))
+                              **scheduler_info(target))
             loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
                             path=None, lineno=None)
             return diagnose_target(loaded, reached=reached, config=self.cfg, command=self.command)
