@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from .compare import compare_precisions  # noqa: E402
 from .diagnose import diagnose  # noqa: E402
 from .guard import Guard, GuardTripped  # noqa: E402
-from .report import Cause, Finding, Fix, Origin, Phase, Report, Status  # noqa: E402
+from .report import Cause, Finding, Fix, Mechanism, Origin, Phase, Report, Status  # noqa: E402
 from .scan import ScanResult, scan_data  # noqa: E402
 from .smoke import SmokeResult, smoke  # noqa: E402
 from .target import Target  # noqa: E402
@@ -16,6 +16,7 @@ __all__ = [
     "Fix",
     "Guard",
     "GuardTripped",
+    "Mechanism",
     "Origin",
     "Phase",
     "Report",

@@ -66,7 +66,8 @@ def _verdict(r: Report) -> Panel:
         title, style = "healthy: no NaN/Inf, no spike", "green"
         lines.add_row("step", g(r.step) if r.step is not None else "all replayed steps")
     else:
-        what = {"nonfinite": "non-finite values", "spike": "loss/gradient spike", "error": "error"}[r.status.value]
+        what = {"nonfinite": "non-finite values", "spike": "loss/gradient spike", "diverging": "slow divergence",
+                "error": "error"}[r.status.value]
         if r.error and o is None:
             what = "your code raised"
         born = f" born in {o.phase.value}" if o else ""

@@ -27,6 +27,18 @@ class Cause(str, Enum):
     DOMAIN = "domain"
     LR_SPIKE = "lr_spike"
     NOT_REPRODUCED = "not_reproduced"
+    UNKNOWN = "unknown"          # a bad step nothing classified: low confidence, the raw facts as evidence
+
+
+class Mechanism(str, Enum):
+    """The slow process behind a failure (a finding's ``mechanism``); the cause code stays one of ``Cause``."""
+
+    ATTENTION_LOGIT_GROWTH = "attention_logit_growth"
+    OUTPUT_LOGIT_DIVERGENCE = "output_logit_divergence"
+    ADAM_SECOND_MOMENT = "adam_second_moment"
+    LR_SCHEDULE = "lr_schedule"
+    LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+    ACTIVATION_GROWTH = "activation_growth"
 
 
 class Phase(str, Enum):
@@ -39,6 +51,7 @@ class Phase(str, Enum):
 class Status(str, Enum):
     NONFINITE = "nonfinite"
     SPIKE = "spike"
+    DIVERGING = "diverging"      # the loss left its own best level and did not come back
     FINITE = "finite"
     ERROR = "error"
 
@@ -77,8 +90,11 @@ class Fix:
     title: str
     code: str
     why: str = ""
-    verified: bool | None = None   # True: rerun finite with the fix; False: still broken; None: not checked
+    verified: bool | None = None   # True: held over the horizon; False: failed; None: not checked
     verify_note: str | None = None
+    # how it was checked: {"horizon": H, "from_step": s, "held": bool, "failed_at": k | None,
+    # "loss_fixed": x, "loss_unfixed": y, "new_origin": {...} | None, ...}
+    verification: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"title": self.title, "code": self.code, "verified": self.verified}
@@ -86,6 +102,8 @@ class Fix:
             out["why"] = self.why
         if self.verify_note:
             out["verify_note"] = self.verify_note
+        if self.verification is not None:
+            out["verification"] = self.verification
         return out
 
 
@@ -98,11 +116,18 @@ class Finding:
     op: str | None
     evidence: tuple[str, ...]
     fixes: tuple[Fix, ...] = ()
+    mechanism: Mechanism | None = None   # the slow process behind the cause, where one was seen
+    onset: int | None = None             # the step where it (or a recovered excursion before it) began
 
     def to_json(self) -> dict[str, Any]:
-        return {"cause": self.cause.value, "confidence": round(self.confidence, 3), "phase": self.phase.value,
-                "module": self.module, "op": self.op, "evidence": list(self.evidence),
-                "fixes": [f.to_json() for f in self.fixes]}
+        out = {"cause": self.cause.value, "confidence": round(self.confidence, 3), "phase": self.phase.value,
+               "module": self.module, "op": self.op, "evidence": list(self.evidence),
+               "fixes": [f.to_json() for f in self.fixes]}
+        if self.mechanism is not None:
+            out["mechanism"] = self.mechanism.value
+        if self.onset is not None:
+            out["onset"] = self.onset
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,12 +231,14 @@ class Report:
     position: dict[str, Any] | None = None   # {"epoch", "index", "items", "micro_batches"} of the step
     fidelity: Fidelity | None = None
     error: str | None = None                 # the user's code raised in this step: the one-line message
+    # {"onset": step | None, "series": {"<module>/<stat>": [[step, value], ...]}, "warnings": [...]}
+    trajectory: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
         return {Status.FINITE: EXIT_OK, Status.NONFINITE: EXIT_FOUND, Status.SPIKE: EXIT_FOUND,
-                Status.ERROR: EXIT_USAGE}[self.status]
+                Status.DIVERGING: EXIT_FOUND, Status.ERROR: EXIT_USAGE}[self.status]
 
     @property
     def top(self) -> Finding | None:
@@ -234,6 +261,8 @@ class Report:
         }
         if self.error:
             out["error"] = self.error
+        if self.trajectory is not None:
+            out["trajectory"] = self.trajectory
         out.update(self.extra)
         return out
 

@@ -92,7 +92,7 @@ def headline(report: Report, steps_run: int | None = None) -> str:
         n = f"{steps_run} steps" if steps_run is not None else "all steps"
         return f"healthy: {n}, no NaN/Inf, no spike"
     what = {Status.NONFINITE: "non-finite values", Status.SPIKE: "loss/gradient spike",
-            Status.ERROR: "error"}[report.status]
+            Status.DIVERGING: "slow divergence", Status.ERROR: "error"}[report.status]
     text = f"step {report.step}: {what}"
     o = report.origin
     if o is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from nanprobe.report import (Cause, Finding, Fix, Origin, Phase, PrecisionResult, Report, Status, StepRecord)
+from nanprobe.report import (Cause, Finding, Fix, Mechanism, Origin, Phase, PrecisionResult, Report, Status,
+                             StepRecord)
 
 
 def _report(status=Status.NONFINITE):
@@ -37,9 +38,15 @@ def test_json_matches_design_contract():
 
 
 def test_exit_codes_follow_status():
-    assert [_report(s).exit_code for s in (Status.FINITE, Status.NONFINITE, Status.SPIKE, Status.ERROR)] == [0, 1, 1, 2]
+    statuses = (Status.FINITE, Status.NONFINITE, Status.SPIKE, Status.DIVERGING, Status.ERROR)
+    assert [_report(s).exit_code for s in statuses] == [0, 1, 1, 1, 2]
 
 
 def test_cause_codes_are_the_stable_set():
     assert [c.value for c in Cause] == ["data", "overflow", "underflow", "log", "sqrt", "div", "domain", "lr_spike",
-                                       "not_reproduced"]
+                                       "not_reproduced", "unknown"]
+
+
+def test_mechanism_codes_are_the_stable_set():
+    assert [m.value for m in Mechanism] == ["attention_logit_growth", "output_logit_divergence", "adam_second_moment",
+                                           "lr_schedule", "loss_scale_collapse", "activation_growth"]
