@@ -54,3 +54,26 @@ def example(name: str) -> str:
 
 def asset(name: str) -> str:
     return str(ASSETS / "entries" / name)
+
+
+def plain_first_bad(name: str, steps: int) -> int | None:
+    """The first non-finite step of an example in the examples' own plain loop, run here and now.
+
+    Where that step depends on the CPU's low-precision kernels (an fp16 overflow by a small margin
+    differs between CPUs and thread counts), a test takes its truth from this, never a number.
+    """
+    import contextlib
+    import importlib.util
+    import io
+
+    sys.path.insert(0, str(EXAMPLES))   # the examples import their siblings (tiny_transformer, plain_loop)
+    try:
+        spec = importlib.util.spec_from_file_location(f"plain_{Path(name).stem}", EXAMPLES / name)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        from plain_loop import train
+        with contextlib.redirect_stdout(io.StringIO()):
+            step, _ = train(mod.target(), steps=steps, verbose=False)
+        return step
+    finally:
+        sys.path.remove(str(EXAMPLES))

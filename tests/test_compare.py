@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import asset, example
+from conftest import asset, example, plain_first_bad
 from nanprobe.cli import app
 from nanprobe.compare import CHOICES, compare_precisions, parse_precisions, plot_comparison
 from nanprobe.config import load_config
@@ -325,12 +325,13 @@ def test_cuda_runs_tf32_and_keeps_the_overflow_site():
 def test_example_fp16_attention_overflow():
     cmp = _compare(example("fp16_attention_overflow.py") + ":target")  # no --at: its first bad step
     p = cmp.precisions
-    assert cmp.step == 9 and cmp.precision == "fp16"
+    # the step |q.k| passes 65504 depends on the CPU's fp16 kernels and thread count: the plain loop's, run here
+    assert cmp.step == plain_first_bad("fp16_attention_overflow.py", steps=30) and cmp.precision == "fp16"
     assert (p["fp64"].finite, p["fp32"].finite, p["bf16"].finite) == (True, True, True)
     assert (p["fp16"].finite, p["fp16+scaler"].finite) == (False, False)
     assert _site(p["fp16"]) == ("forward", "blocks.0.attn", "aten.bmm.default")
-    # the example: one entry of q @ k^T is ~7.5e4 in fp32, above fp16's 65504
-    assert 65504 < p["fp16"].would_reach < 1e5 and p["fp16"].act_headroom_bits < 0
+    # the example: one entry of q @ k^T grows 1.3-2x a step and passes fp16's 65504 at this step
+    assert 65504 < p["fp16"].would_reach < 2 * 65504 and p["fp16"].act_headroom_bits < 0
     assert "fp16 (with or without GradScaler): overflows in blocks.0.attn at aten.bmm.default (|x| would reach " \
            "2^16" in cmp.recommendation
     assert p["fp16+scaler"].scaler.skipped and p["fp16+scaler"].scaler.settled_scale is None
