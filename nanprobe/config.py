@@ -54,6 +54,7 @@ class RunConfig:
     fp16_on_cpu: bool = False
     fidelity_rtol_cuda: float = 1e-3
     deferred_checks: str = "auto"
+    progress_every: float = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

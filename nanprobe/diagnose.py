@@ -280,13 +280,20 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     history = tuple(reached.history[-cfg.replay.history:]) + ((reached.record,) if reached.record else ())
     return Report(command=command, entry=loaded.entry, step=reached.step, status=status,
                   device=describe_device(device), precision=prec.value,
-                  origin=None if skip_note else origin_of(main.origin, prec.value),
+                  origin=None if skip_note else origin_of(main.origin or _entered_origin(main, findings), prec.value),
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
                   context=context, history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),
                   reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})
+
+
+def _entered_origin(t: StepTrace, findings: list) -> Event | None:
+    """Where a non-finite value no op produced entered the step, when a finding is built on it (the origin
+    the report shows for a NaN constant in the user's code)."""
+    e = t.trace.entered if t.trace is not None else None
+    return e if e is not None and any(f.cause is Cause.UNKNOWN and f.op == e.op for f in findings) else None
 
 
 def mark_masked(t: StepTrace) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from .classify import Evidence, explained_by, op_base, semantic_name
 from .classify.raised import LABEL_OUT_OF_RANGE
+from .classify.core import entered
 from .classify.rules import constant, lrs_seen, multiplier_above_one
 from .instrument import LOSS_FN
 from .precision import Precision
@@ -476,7 +477,33 @@ def _determinism(f: Finding, ev: Evidence) -> Fix | None:
                why="a step that is finite when replayed exactly points at nondeterminism or a hardware fault")
 
 
-@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
+# -- unknown -------------------------------------------------------------------------------------
+@fix_for(Cause.UNKNOWN)
+def _see_more(f: Finding, ev: Evidence) -> Fix | None:
+    step = ev.reached.step
+    entry = ev.entry or "ENTRY"
+    e = entered(ev)
+    if e is not None:
+        at = f" ({e.source})" if e.source else ""
+        return Fix(title=f"Find where the non-finite value enters {e.op}{at}",
+                   code=f"# before the line{at}: which operand is already non-finite, and where it comes from\n"
+                        "assert torch.isfinite(x).all(), x  # for each tensor operand x\n"
+                        "# a Python float constant (float('nan'), an inf from math) is an operand too",
+                   why="no op of the step produced the value: it comes from a constant or a tensor made outside "
+                       "the step, so the fix is where it is made")
+    if ev.reached.status is Status.SPIKE:
+        return Fix(title="Tell the data and the step size apart",
+                   code=f"nanprobe scan-data {entry} --limit {step + 1}  # does batch {step} stand out (per key)?\n"
+                        f"# and the same run with the LR halved: a spike that stays is the data, one that goes is "
+                        "the step size",
+                   why="neither the batch's statistics nor the LR and update sizes explain the spike")
+    return Fix(title="See more of the step",
+               code=f"nanprobe compare-precisions {entry} --at {step}  # the step in every precision, per layer\n"
+                    f"nanprobe run {entry} --at {step} --debug --json step{step}.json  # the raw events",
+               why="nothing the rules know explains the step; the per-layer ranges and the events say what it did")
+
+
+@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED, Cause.UNKNOWN)
 def _guard(f: Finding, ev: Evidence) -> Fix | None:
     if ev.reached.error is not None:
         return None   # a step that raises cannot be skipped by a guard around the update

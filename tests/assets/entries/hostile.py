@@ -141,3 +141,16 @@ def step_fn_bad_return():
     del out["loss_fn"]
     opt.append(out["optimizer"])
     return out
+
+
+def nan_constant():
+    """The loss times a NaN constant on the 4th call: no op produces the NaN, it enters from the code."""
+    calls = [0]
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        loss = F.cross_entropy(m(b[0]), b[1])
+        if calls[0] == 4:
+            loss = loss * float("nan")
+        return loss
+    return _build(loss_fn=loss_fn)
