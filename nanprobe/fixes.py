@@ -359,6 +359,16 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                    code="# let fully padded rows attend to themselves (their output is discarded anyway)\n"
                         "mask = mask | (~mask.any(-1, keepdim=True))",
                    why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
+    shift = next((p for p in ev.data if p.code == "shift"), None)
+    if not codes and ev.reached.status is Status.SPIKE and shift is not None:
+        step = ev.reached.step
+        return Fix(title=f"Fix {shift.key} in batch {step} at the source: it is in other units than the batches "
+                         "before",
+                   code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
+                        f"every batch: {shift.key} in batch {step} vs the others\n"
+                        "# fix the export / conversion that produced it; until then skip such batches in the run "
+                        "with nanprobe.Guard",
+                   why=f"{shift.message}; one batch in other units moves the weights by its own outliers")
     if not codes and ev.reached.status is Status.SPIKE:
         step = ev.reached.step
         return Fix(title=f"Find what is different about batch {step}: its loss is far outside the run's",

@@ -181,7 +181,7 @@ def classify(ev: Evidence) -> list[Finding]:
         lr = found[Cause.LR_SPIKE]
         if ev.reference_finite:
             found[Cause.LR_SPIKE] = replace_conf(lr, lr.confidence * 0.5)
-        elif Cause.OVERFLOW in found:
+        elif Cause.OVERFLOW in found and lr.confidence > 0.5:
             found[Cause.OVERFLOW] = replace_conf(found[Cause.OVERFLOW], min(found[Cause.OVERFLOW].confidence,
                                                                         lr.confidence - 0.05))
     if not found and ev.origin is not None:
