@@ -259,9 +259,10 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
 
     findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)
     if reached.onset is not None and reached.onset != reached.step:
-        began = [n for n in reached.notes if n.startswith(f"step {reached.onset} was an excursion")]
+        began = [n for n in reached.notes if n.startswith(f"step {reached.onset} ")]
+        later = [n for n in reached.notes if "did not recover" in n and not n.startswith(f"step {reached.onset} ")]
         findings = [dataclasses.replace(f, onset=reached.onset, evidence=f.evidence + tuple(
-            f"onset: {n}" for n in began[:1])) for f in findings]
+            f"onset: {n}" for n in began[:1]) + tuple(later[:1])) for f in findings]
     if fid.reproduced is False:
         findings = [f if f.cause is Cause.NOT_REPRODUCED else dataclasses.replace(
             f, confidence=round(f.confidence * 0.6, 3),

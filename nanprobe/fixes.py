@@ -503,9 +503,10 @@ def _see_more(f: Finding, ev: Evidence) -> Fix | None:
                        "the step, so the fix is where it is made")
     if ev.reached.status is Status.SPIKE:
         return Fix(title="Tell the data and the step size apart",
-                   code=f"nanprobe scan-data {entry} --limit {step + 1}  # does batch {step} stand out (per key)?\n"
-                        f"# and the same run with the LR halved: a spike that stays is the data, one that goes is "
-                        "the step size",
+                   code=f"nanprobe scan-data {entry} --limit {step + 1}  # per key: batch {step} against the others\n"
+                        f"# rerun step {step} from the state before it with the batch of step {step - 1}: a spike "
+                        "that stays is the step size;\n"
+                        "# with a 10x smaller LR: a spike that stays is the data",
                    why="neither the batch's statistics nor the LR and update sizes explain the spike")
     return Fix(title="See more of the step",
                code=f"nanprobe compare-precisions {entry} --at {step}  # the step in every precision, per layer\n"

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .batch import iter_tensors
 from .config import ReplayConfig
 from .divergence import Judge
 from .errors import TargetError, UsageError, UserCodeError
@@ -94,6 +95,9 @@ def scheduler_info(target: Target) -> dict[str, Any]:
     base = getattr(sched, "base_lrs", None) or []
     return {"scheduler_kind": type(sched).__name__,
             "scheduler_base_lrs": tuple(float(b) for b in base if isinstance(b, (int, float)))}
+
+
+INPUTS_BYTES = 64 << 20   # the recent batches kept for comparing a bad step's batch with them (bytes)
 
 
 # -- the per-step check -----------------------------------------------------------------------------
@@ -224,7 +228,7 @@ class Replayer:
         self._ratio_store: TensorStore | None = None
         self._ratio_slots = None
         self.norms: deque[dict[str, float]] = deque(maxlen=3)   # parameter norms after each recent step
-        self.inputs: deque[Recorded] = deque(maxlen=max(cfg.history, 1))   # the recent steps' inputs
+        self.inputs: deque[tuple[Recorded, int]] = deque(maxlen=max(cfg.history, 1))   # recent inputs, bytes
         named = self.loop.named_params
         if named:   # the norms the first update starts from (one read)
             with torch.no_grad():
@@ -272,6 +276,17 @@ class Replayer:
                                                 position=feed.position, norms=norms)
         self.norms.append(norms)
         return outcome, record, ratios, params_finite
+
+    def remember(self, rec: Recorded) -> None:
+        """Keep a step's inputs for the comparison of a bad step's batch with the ones before it (at most
+        ``history`` steps and INPUTS_BYTES of tensors: the batches are referenced, not copied)."""
+        size = sum(t.numel() * t.element_size() for item in rec.items for _, t in iter_tensors(item))
+        self.inputs.append((rec, size))
+        while len(self.inputs) > 1 and sum(n for _, n in self.inputs) > INPUTS_BYTES:
+            self.inputs.popleft()
+
+    def recent_inputs(self, step: int) -> list[Recorded]:
+        return [rec for rec, _ in self.inputs if rec.step < step]
 
     def growth(self, back: int = 1) -> dict[str, float]:
         """|w| after / |w| before per parameter, of the update ``back`` steps before the last one run."""
@@ -362,7 +377,7 @@ def _open(r: Replayer, k: int):
 def _reached(r: Replayer, k: int, recorded: Recorded, snap: Snapshot, status: Status, reason: str | None,
              record: StepRecord | None, history, ratios, reached_by: str, notes: list[str],
              error: UserCodeError | None = None, earlier: list[StepRecord] | None = None) -> Reached:
-    before = [rec for rec in r.inputs if rec.step < k]
+    before = r.recent_inputs(k)
     growth = r.growth(1 if record is not None else 0)
     return Reached(step=k, recorded=recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
                    status=status, reason=reason, record=record, history=list(history), update_ratios=ratios,
@@ -418,7 +433,7 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
             notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
             return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
                             history, ratios, reached_by, notes, error=exc, earlier=earlier)
-        r.inputs.append(Recorded(step=k, items=list(feed.items), position=feed.position))
+        r.remember(Recorded(step=k, items=list(feed.items), position=feed.position))
         status, reason = r.judge.judge(record, params_finite)
         if status is not Status.FINITE:
             earlier.append(record)
@@ -539,6 +554,14 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         if on_progress:
             on_progress(k)
         if watch is not None:
+            if status is Status.NONFINITE and first is not None:
+                # after an excursion that recovered, a spike is judged by what follows it: it ran into
+                # non-finite values, and the first non-finite step is the failure, with the excursion as onset
+                notes.append(f"step {watch.step} did not recover ({watch.reason}); step {k} is non-finite")
+                snap, ratios = _rebuild(r, rolling, log, history)
+                out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes)
+                out.onset = first.step
+                return out
             if status is not Status.FINITE:
                 return finish(at_watch(watch, []))   # it did not recover: the spike is the failure
             if r.judge.back_to_normal(record):
@@ -555,12 +578,12 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             if excursions and status is Status.SPIKE and r.judge.at_once():
                 watch = _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason,
                                rolling=rolling, log=list(log), history=list(history), growth=r.growth(1),
-                               before=[rec for rec in r.inputs if rec.step < k],
+                               before=r.recent_inputs(k),
                                left=max(r.cfg.persist_steps, 1))
                 r.judge.add(record, excursion=True)
                 log.append(recorded)
                 history.append(record)
-                r.inputs.append(recorded)
+                r.remember(recorded)
                 k += 1
                 continue
             snap, ratios = _rebuild(r, rolling, log, history)
@@ -569,7 +592,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         log.append(recorded)
         r.judge.add(record)
         history.append(record)
-        r.inputs.append(recorded)
+        r.remember(recorded)
         k += 1
 
 

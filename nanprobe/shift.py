@@ -10,7 +10,6 @@ with the pooled histogram before). Each problem names the key and the samples th
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any

@@ -187,8 +187,8 @@ def classify(ev: Evidence) -> list[Finding]:
     if not found and ev.origin is not None:
         f = unknown_origin(ev.origin)
         found[f.cause] = f
-    if not found:
-        f = unknown_step(ev)
+    if not found or entered(ev) is not None:
+        f = unknown_step(ev)   # a value from outside the step's ops: say where it entered, whatever else is found
         if f is not None:
             found[f.cause] = f
     return sorted(found.values(), key=lambda f: -f.confidence)
@@ -198,6 +198,13 @@ def entered(ev: Evidence) -> Event | None:
     """The first op whose output was non-finite when no op of the step produced the value (a NaN constant,
     a tensor from outside the step), where the rerun saw no origin."""
     return ev.main.trace.entered if ev.origin is None and ev.main.trace is not None else None
+
+
+def nonfinite_state(ev: Evidence) -> list[str]:
+    """The model tensors that are already non-finite before the step (an earlier update or the checkpoint
+    wrote them)."""
+    return [name for name, t in ev.reached.snapshot.model.items()
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
 
 
 def raw_facts(ev: Evidence) -> list[str]:
@@ -224,6 +231,8 @@ def unknown_step(ev: Evidence) -> Finding | None:
     if not bad:
         return None
     e = entered(ev)
+    if e is not None and nonfinite_state(ev):
+        return None   # the value entered from weights already non-finite: the corrupted-state rule says so
     if e is not None:
         scalars = [s for s in e.scalars if isinstance(s, float) and not math.isfinite(s)]
         src = f" at {e.source}" if e.source else ""

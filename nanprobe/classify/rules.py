@@ -9,12 +9,10 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
-
 from ..precision import limits
 from ..report import Cause, Finding, Phase, Status, StepRecord
-from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, op_base, origin_line, rule,
-                   zeros)
+from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, nonfinite_state, op_base,
+                   origin_line, rule, zeros)
 from .ops import semantics_for
 
 
@@ -129,7 +127,7 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     hist: list[StepRecord] = list(ev.reached.history)
     lr_lines, lr_strength = _lr_lines(ev, hist)
     up_lines, up_strength = _update_lines(ev, hist)
-    grow_lines, grown, grow_strength = _growth_lines(ev)
+    grow_lines, grew, grow_strength = _growth_lines(ev)
     lines = lr_lines + up_lines + grow_lines
     up_strength = max(up_strength, grow_strength) + (0.1 if up_strength and grow_strength else 0.0)
     strength = max(lr_strength, up_strength) + (0.15 if lr_strength and up_strength else 0.0)
@@ -144,8 +142,8 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
             strength = max(strength, 0.5)
     module = None
     source = ev.reached.update_ratios or ev.main.update_ratios
-    if grown and not (source and up_strength > grow_strength):
-        module = grown.rsplit(".", 1)[0] if "." in grown else ""
+    if grew and not (source and up_strength > grow_strength):
+        module = grew.rsplit(".", 1)[0] if "." in grew else ""
     elif source and strength:
         pname = max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
@@ -193,6 +191,8 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
         conf -= 0.4  # bad data explains the blow-up better
     if shifts:
         conf -= 0.3  # a batch that stands out explains the failure better than the step size
+    if e is None and ev.main.trace is not None and ev.main.trace.entered is not None:
+        conf -= 0.4  # the non-finite value came from outside the step's ops: no step size makes a NaN constant
     if ev.reached.error is not None and e is None:
         conf -= 0.4  # the step raised before any NaN existed: its input did it, not the step size
     if ev.reference_finite is False or (e is not None and not is_low(e.out_dtype)):
@@ -221,8 +221,7 @@ def corrupted_state_rule(ev: Evidence) -> list[Finding]:
     """Weights or buffers already non-finite before the step: an earlier update (or the checkpoint) did it."""
     if ev.origin is not None or ev.main.finite:
         return []
-    bad = [name for name, t in ev.reached.snapshot.model.items()
-           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    bad = nonfinite_state(ev)
     if not bad:
         return []
     module = bad[0].rsplit(".", 1)[0] if "." in bad[0] else ""
