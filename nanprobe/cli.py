@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Annotated, Optional
@@ -171,9 +173,22 @@ def quiet_stdout(json_out: str | None):
         yield
 
 
-def progress_printer(enabled: bool):
-    if not enabled:
+def _same_stream() -> bool:
+    """stdout and stderr are the same file (``2>&1``): lines on stderr would land inside the JSON."""
+    try:
+        a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return sys.stdout is sys.stderr
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def progress_printer(json_out: str | None, every: float = 10.0):
+    """Progress on stderr: a spinner on a terminal; elsewhere (CI logs) a plain line at most every ``every``
+    seconds. Off under ``--json -`` when stderr and stdout are the same file."""
+    if json_out == "-" and (sys.stderr.isatty() or _same_stream()):
         return None
+    if not sys.stderr.isatty():
+        return _plain_progress(every) if every > 0 else None
     err = console(stderr=True)
     status = err.status("nanprobe: starting")
     status.start()
@@ -182,6 +197,20 @@ def progress_printer(enabled: bool):
         status.update(f"nanprobe: {msg}")
 
     update.stop = status.stop  # type: ignore[attr-defined]
+    return update
+
+
+def _plain_progress(every: float):
+    start = time.monotonic()
+    last = [start]
+
+    def update(msg: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every:
+            last[0] = now
+            print(f"nanprobe: {msg} ({now - start:.0f} s)", file=sys.stderr, flush=True)
+
+    update.stop = lambda: None  # type: ignore[attr-defined]
     return update
 
 
@@ -197,7 +226,7 @@ def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, j
     if autocast_policy not in ("native", "cuda"):
         raise UsageError(f"unknown autocast policy {autocast_policy!r}", "--autocast-policy", "Use native or cuda")
     cfg = config_from(config)
-    progress = progress_printer(json_out != "-" and sys.stderr.isatty())
+    progress = progress_printer(json_out, cfg.run.progress_every)
     try:
         with quiet_stdout(json_out):
             report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps,
@@ -232,7 +261,7 @@ def smoke_cmd(entry: EntryArg, steps: StepsOpt = 20, precision: PrecisionOpt = N
     if steps < 1:
         raise UsageError(f"--steps {steps} is not a positive number of steps", "--steps", "Give N >= 1")
     cfg = config_from(config)
-    progress = progress_printer(json_out != "-" and sys.stderr.isatty())
+    progress = progress_printer(json_out, cfg.run.progress_every)
     try:
         with quiet_stdout(json_out):
             result = smoke(entry, steps=steps, precision=precision, config=cfg, capsule_dir=capsule_dir,
@@ -277,7 +306,7 @@ def compare_cmd(entry: EntryArg, at: AtOpt = None, precisions: PrecisionsOpt = N
             raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
         require_matplotlib()
     cfg = config_from(config)
-    progress = progress_printer(json_out != "-" and sys.stderr.isatty())
+    progress = progress_printer(json_out, cfg.run.progress_every)
     try:
         with quiet_stdout(json_out):
             result = compare_precisions(entry, at=at, precisions=names, top=top, config=cfg, on_progress=progress)

@@ -48,12 +48,15 @@ class RunConfig:
     verify_fixes: bool = True
     context_modules: int = 5
     update_ratio_limit: float = 1.0
-    update_ratio_high: float = 0.05
+    update_ratio_high: float = 0.01
+    weight_growth_high: float = 1.5
+    shift_factor: float = 10.0
     lr_jump_factor: float = 5.0
     near_zero: float = 1e-30
     fp16_on_cpu: bool = False
     fidelity_rtol_cuda: float = 1e-3
     deferred_checks: str = "auto"
+    progress_every: float = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,6 +21,7 @@ from .precision import Precision, describe_device, device_of, limits, parse_prec
 from .replay import NoBadStep, Reached, reach
 from .report import Cause, Origin, Phase, PrecisionResult, Report, Status
 from .rerun import StepTrace, resolve_backward_source, run_step
+from .shift import batch_shift
 from .state import borrows_globals
 from .target import Target
 
@@ -142,7 +143,8 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         try:
             of = f" of {at}" if at is not None else ""
             reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=loaded.where, max_steps=max_steps,
-                            on_progress=lambda s: progress(f"replayed step {s}{of}"), policy=policy)
+                            on_progress=lambda s: progress(f"replayed step {s}{of}"), policy=policy,
+                            excursions=at is None)
         except NoBadStep as done:
             return _healthy(loaded, done, prec, device, cfg, command, policy)
     try:
@@ -189,6 +191,10 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         progress("reran once more for the forward line of the backward origin")
         comparable.append((f"anomaly-mode {prec.value}", again))
     data = check_data(reached, target, prec, cfg)
+    if reached.before:
+        data += batch_shift(reached.recorded.items, [b.items for b in reached.before], step=reached.step,
+                            factor=cfg.run.shift_factor, ignore_index=target.ignore_index,
+                            max_examples=cfg.scan.max_examples)
     mark_masked(main)
     fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda)
     if fid.reproduced is False:
@@ -252,6 +258,11 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         return None if t.error or not t.applied else t.finite and not (t.record and t.record.skipped)
 
     findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)
+    if reached.onset is not None and reached.onset != reached.step:
+        began = [n for n in reached.notes if n.startswith(f"step {reached.onset} ")]
+        later = [n for n in reached.notes if "did not recover" in n and not n.startswith(f"step {reached.onset} ")]
+        findings = [dataclasses.replace(f, onset=reached.onset, evidence=f.evidence + tuple(
+            f"onset: {n}" for n in began[:1]) + tuple(later[:1])) for f in findings]
     if fid.reproduced is False:
         findings = [f if f.cause is Cause.NOT_REPRODUCED else dataclasses.replace(
             f, confidence=round(f.confidence * 0.6, 3),
@@ -280,13 +291,20 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     history = tuple(reached.history[-cfg.replay.history:]) + ((reached.record,) if reached.record else ())
     return Report(command=command, entry=loaded.entry, step=reached.step, status=status,
                   device=describe_device(device), precision=prec.value,
-                  origin=None if skip_note else origin_of(main.origin, prec.value),
+                  origin=None if skip_note else origin_of(main.origin or _entered_origin(main, findings), prec.value),
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
                   context=context, history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),
                   reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})
+
+
+def _entered_origin(t: StepTrace, findings: list) -> Event | None:
+    """Where a non-finite value no op produced entered the step, when a finding is built on it (the origin
+    the report shows for a NaN constant in the user's code)."""
+    e = t.trace.entered if t.trace is not None else None
+    return e if e is not None and any(f.cause is Cause.UNKNOWN and f.op == e.op for f in findings) else None
 
 
 def mark_masked(t: StepTrace) -> None:

@@ -209,8 +209,10 @@ class _Series:
         else:
             self.nonpos += 1
 
-    def add(self, value: float, step: int | None) -> None:
-        elevated = value > self.candidate
+    def add(self, value: float, step: int | None, elevated: bool | None = None) -> None:
+        """``elevated``: force the value's flag (an excursion that recovered, added while the band did not
+        exist yet: the window has shown it does not stay quiet)."""
+        elevated = value > self.candidate if elevated is None else elevated
         if elevated:
             if self.run == 0:
                 self.run_start = step
@@ -272,6 +274,8 @@ class Divergence:
         self.skips = 0                 # GradScaler skips in a row
         self.worked = False            # an update was applied at some point (warm-up is over)
         self.anchor: float | None = None   # the scale the current run of skips started from, after warm-up
+        self.at_once = False           # the last spike was decided at once (no history, extreme, update), not
+                                       # by persistence: whether it recovers is still open
 
     # -- cut-offs for the next step (the guard's device-side flag uses them) --------------------------
     def loss_cut(self) -> float:
@@ -290,20 +294,37 @@ class Divergence:
               step: int | None = None) -> str | None:
         """Why this finite step is a spike, or None."""
         r = self.rules
+        self.at_once = True
         if update_ratio is not None and math.isfinite(update_ratio) and update_ratio > r.update_limit:
             return (f"update spike: |dw|/|w| = {update_ratio:.3g} in one step (limit {r.update_limit:g}; "
                     "a healthy step moves the weights by about 1e-3 of their norm)")
         if loss is not None and loss > self.loss_cut():
             why = self.loss.explain(loss, step)
             if why:
+                self.at_once = self.loss.run + 1 < r.persist
                 return why
             base = self.loss.baseline()
             if base is not None and not self.loss.ready and loss > r.runaway_factor * base:
                 return (f"loss spike: {loss:.4g} is {loss / base:.0f}x the largest of the first losses "
                         f"({base:.4g}): divergence, with no history needed")
         if norm is not None and norm > self.norm_cut():
+            self.at_once = self.norm.run + 1 < r.persist
             return self.norm.explain(norm, step)
         return None
+
+    def back_to_normal(self, loss: float | None, norm: float | None) -> bool:
+        """After an excursion: this finite step's loss and gradient norm are back under the cuts (the band's
+        candidate cut, or the no-history runaway cut)."""
+        def under(series: _Series, value: float | None, runaway: float | None) -> bool:
+            if value is None:
+                return True
+            if not math.isfinite(value):
+                return False
+            if series.ready:
+                return value <= series.candidate
+            base = series.baseline()
+            return runaway is None or base is None or value <= runaway * base
+        return under(self.loss, loss, self.rules.runaway_factor) and under(self.norm, norm, None)
 
     def scaler_skip(self, scale: float | None) -> str | None:
         """A GradScaler skip with a finite loss: None while it is the normal back-off, else why not."""
@@ -328,10 +349,13 @@ class Divergence:
         self.worked = True
         self.anchor = None
 
-    def add(self, loss: float | None, norm: float | None, *, step: int | None = None) -> None:
-        """A step that goes into the history (applied, or a GradScaler skip: then ``norm`` is None)."""
+    def add(self, loss: float | None, norm: float | None, *, step: int | None = None,
+            excursion: bool = False) -> None:
+        """A step that goes into the history (applied, or a GradScaler skip: then ``norm`` is None).
+        ``excursion``: the step is a spike whose recovery is being watched; it counts as elevated."""
+        flag = True if excursion else None
         if loss is not None and math.isfinite(loss):
-            self.loss.add(loss, step)
+            self.loss.add(loss, step, flag)
         if norm is not None and math.isfinite(norm):
             self.norm.add(norm, step)
 
@@ -368,8 +392,16 @@ class Judge:
                                  update_ratio=None if record.skipped else record.update_ratio, step=record.step)
         return (Status.SPIKE, spike) if spike else (Status.FINITE, None)
 
-    def add(self, record: StepRecord) -> None:
-        self.model.add(record.loss, None if record.skipped else record.grad_norm, step=record.step)
+    def add(self, record: StepRecord, *, excursion: bool = False) -> None:
+        self.model.add(record.loss, None if record.skipped else record.grad_norm, step=record.step,
+                       excursion=excursion)
+
+    def at_once(self) -> bool:
+        """The last spike was decided at once, not by persistence: it may still recover."""
+        return self.model.at_once
+
+    def back_to_normal(self, record: StepRecord) -> bool:
+        return record.finite and self.model.back_to_normal(record.loss, None if record.skipped else record.grad_norm)
 
 
 def _nonfinite_reason(record: StepRecord, params_finite: bool) -> str | None:

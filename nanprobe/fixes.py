@@ -15,6 +15,7 @@ from typing import Any
 
 from .classify import Evidence, explained_by, op_base, semantic_name
 from .classify.raised import LABEL_OUT_OF_RANGE
+from .classify.core import entered
 from .classify.rules import constant, lrs_seen, multiplier_above_one
 from .instrument import LOSS_FN
 from .precision import Precision
@@ -358,6 +359,16 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                    code="# let fully padded rows attend to themselves (their output is discarded anyway)\n"
                         "mask = mask | (~mask.any(-1, keepdim=True))",
                    why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
+    shift = next((p for p in ev.data if p.code == "shift"), None)
+    if not codes and ev.reached.status is Status.SPIKE and shift is not None:
+        step = ev.reached.step
+        return Fix(title=f"Fix {shift.key} in batch {step} at the source: it is in other units than the batches "
+                         "before",
+                   code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
+                        f"every batch: {shift.key} in batch {step} vs the others\n"
+                        "# fix the export / conversion that produced it; until then skip such batches in the run "
+                        "with nanprobe.Guard",
+                   why=f"{shift.message}; one batch in other units moves the weights by its own outliers")
     if not codes and ev.reached.status is Status.SPIKE:
         step = ev.reached.step
         return Fix(title=f"Find what is different about batch {step}: its loss is far outside the run's",
@@ -476,7 +487,34 @@ def _determinism(f: Finding, ev: Evidence) -> Fix | None:
                why="a step that is finite when replayed exactly points at nondeterminism or a hardware fault")
 
 
-@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED)
+# -- unknown -------------------------------------------------------------------------------------
+@fix_for(Cause.UNKNOWN)
+def _see_more(f: Finding, ev: Evidence) -> Fix | None:
+    step = ev.reached.step
+    entry = ev.entry or "ENTRY"
+    e = entered(ev)
+    if e is not None:
+        at = f" ({e.source})" if e.source else ""
+        return Fix(title=f"Find where the non-finite value enters {e.op}{at}",
+                   code=f"# before the line{at}: which operand is already non-finite, and where it comes from\n"
+                        "assert torch.isfinite(x).all(), x  # for each tensor operand x\n"
+                        "# a Python float constant (float('nan'), an inf from math) is an operand too",
+                   why="no op of the step produced the value: it comes from a constant or a tensor made outside "
+                       "the step, so the fix is where it is made")
+    if ev.reached.status is Status.SPIKE:
+        return Fix(title="Tell the data and the step size apart",
+                   code=f"nanprobe scan-data {entry} --limit {step + 1}  # per key: batch {step} against the others\n"
+                        f"# rerun step {step} from the state before it with the batch of step {step - 1}: a spike "
+                        "that stays is the step size;\n"
+                        "# with a 10x smaller LR: a spike that stays is the data",
+                   why="neither the batch's statistics nor the LR and update sizes explain the spike")
+    return Fix(title="See more of the step",
+               code=f"nanprobe compare-precisions {entry} --at {step}  # the step in every precision, per layer\n"
+                    f"nanprobe run {entry} --at {step} --debug --json step{step}.json  # the raw events",
+               why="nothing the rules know explains the step; the per-layer ranges and the events say what it did")
+
+
+@fix_for(Cause.LR_SPIKE, Cause.DATA, Cause.NOT_REPRODUCED, Cause.UNKNOWN)
 def _guard(f: Finding, ev: Evidence) -> Fix | None:
     if ev.reached.error is not None:
         return None   # a step that raises cannot be skipped by a guard around the update

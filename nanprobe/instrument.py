@@ -164,6 +164,9 @@ class Trace:
     flagged: set[int] = field(default_factory=set)   # deferred mode: ops whose output was non-finite
     reads: int = 0                                   # device-to-host reads the tracker made
     failed: Failed | None = None  # the op that raised, when the step raised inside an op
+    # the first op with a non-finite output when its input was already non-finite and no op of the step made
+    # it so: the value came from outside the ops checked (a NaN constant, a tensor the step did not compute)
+    entered: Event | None = None
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
@@ -598,12 +601,13 @@ class OriginTracker:
         if not (born_nan or born_inf) and func in _EMPTY_SET and out_neg and not out_nan and not in_nan \
                 and not any(k[1] for k in in_kinds):
             born_inf = True   # -inf = log(sum of nothing): a slice of -inf only, an empty set
-        if not (born_nan or born_inf):
+        entered = not (born_nan or born_inf)
+        if entered and (trace.events or trace.entered is not None):
             return
         # the kind of the first output with a non-finite value (an op's scratch outputs, e.g. ctc_loss's
         # uninitialised log_alpha, must not decide it)
         bad_out, (b_nan, b_pos, b_neg) = next((t, k) for t, k in zip(outs, out_kinds) if any(k))
-        kind = "nan" if born_nan and b_nan else ("inf" if b_pos and b_neg else ("+inf" if b_pos else
+        kind = "nan" if (born_nan or entered) and b_nan else ("inf" if b_pos and b_neg else ("+inf" if b_pos else
                                                  "-inf" if b_neg else "nan"))
         nonfinite = int((~torch.isfinite(bad_out)).sum().item())
         samples: tuple[int, ...] = ()
@@ -625,17 +629,21 @@ class OriginTracker:
             parameter, update_info = self._update_context(mutated + outs + inputs)
             if parameter is not None:
                 module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
-        if self.phase is Phase.FORWARD and not any(ev.phase is Phase.FORWARD for ev in trace.events):
+        if self.phase is Phase.FORWARD and not entered and not any(ev.phase is Phase.FORWARD for ev in trace.events):
             self._flush_recent()          # the modules just before the origin, as they are now
             self._origin_module = module  # and the origin's own module when it finishes
-        trace.events.append(Event(
+        event = Event(
             index=trace.ops_checked, phase=self.phase, module=module, op=op, node=node_name, kind=kind,
             source=source, code=code, out_dtype=str(bad_out.dtype).replace("torch.", ""),
             out_nonfinite=nonfinite, out_numel=bad_out.numel(), samples=samples,
             inputs=[_tensor_stats(t) for t in inputs + mutated],
             scalars=[_scalar(s) for s in scalars[:6]], occurrence=occ,
             parameter=parameter, update_info=update_info, node_seq=node_seq,
-            micro=self.micro if self._micros > 1 else None))
+            micro=self.micro if self._micros > 1 else None)
+        if entered:
+            trace.entered = event
+        else:
+            trace.events.append(event)
 
     def _node_name(self) -> str | None:
         if self.phase is not Phase.BACKWARD:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .batch import iter_tensors
 from .config import ReplayConfig
 from .divergence import Judge
 from .errors import TargetError, UsageError, UserCodeError
@@ -58,6 +59,11 @@ class Reached:
     error: UserCodeError | None = None  # the user's code raised during this step
     earlier: list[StepRecord] = field(default_factory=list)  # bad steps before `step` (with --at)
     step_ratios: dict[str, float] = field(default_factory=dict)  # per parameter, the replayed step's own
+    # |w| after / |w| before, per parameter, of the update of the step before (the growth of the weights)
+    growth: dict[str, float] = field(default_factory=dict)
+    before: list[Recorded] = field(default_factory=list)   # the recent steps' inputs, oldest first
+    onset: int | None = None           # an earlier excursion that recovered (run without --at)
+    excursions: list[str] = field(default_factory=list)     # what each recovered excursion was
 
     @property
     def position(self) -> Position | None:
@@ -91,6 +97,9 @@ def scheduler_info(target: Target) -> dict[str, Any]:
             "scheduler_base_lrs": tuple(float(b) for b in base if isinstance(b, (int, float)))}
 
 
+INPUTS_BYTES = 64 << 20   # the recent batches kept for comparing a bad step's batch with them (bytes)
+
+
 # -- the per-step check -----------------------------------------------------------------------------
 
 def _delta_norms(named: list[tuple[str, torch.Tensor]], before: Mapping[str, torch.Tensor]
@@ -119,11 +128,12 @@ def _delta_norms(named: list[tuple[str, torch.Tensor]], before: Mapping[str, tor
 
 
 def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str, torch.Tensor] | None = None,
-            position: Position | None = None) -> tuple[StepRecord, dict[str, float], bool]:
+            position: Position | None = None, norms: dict[str, float] | None = None
+            ) -> tuple[StepRecord, dict[str, float], bool]:
     """The cheap check of one finished step, read back with one device sync.
 
     ``before`` (the parameters the step started from, by name: a dict or a snapshot's saved model)
-    adds the update ratios |dw|/|w|.
+    adds the update ratios |dw|/|w|; ``norms`` is filled with each parameter's norm after the step.
     """
     model = loop.target.model
     device = outcome.loss.device if outcome.loss is not None else device_of(model)
@@ -155,6 +165,8 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str,
     if params:
         after = values[4:4 + n]
         params_finite = all(math.isfinite(v) for v in after)
+        if norms is not None:
+            norms.update(zip((name for name, _ in named), after))
         if before is not None:
             delta, prev = values[4 + n:4 + 2 * n], values[4 + 2 * n:4 + 3 * n]
             for (name, _), d, w in zip(named, delta, prev):
@@ -215,6 +227,13 @@ class Replayer:
         self._modules = list(target.model.modules())   # walked once, not on every --at step
         self._ratio_store: TensorStore | None = None
         self._ratio_slots = None
+        self.norms: deque[dict[str, float]] = deque(maxlen=3)   # parameter norms after each recent step
+        self.inputs: deque[tuple[Recorded, int]] = deque(maxlen=max(cfg.history, 1))   # recent inputs, bytes
+        named = self.loop.named_params
+        if named:   # the norms the first update starts from (one read)
+            with torch.no_grad():
+                start = torch.stack([x.float() for x in torch._foreach_norm([p for _, p in named])]).tolist()
+            self.norms.append(dict(zip((n for n, _ in named), start)))
 
     def light(self) -> _Light:
         return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],
@@ -252,9 +271,32 @@ class Replayer:
         if not self._observed:
             self._observed = True
             self._observe(outcome)
+        norms: dict[str, float] = {}
         record, ratios, params_finite = measure(self.loop, outcome, feed.step, before=before,
-                                                position=feed.position)
+                                                position=feed.position, norms=norms)
+        self.norms.append(norms)
         return outcome, record, ratios, params_finite
+
+    def remember(self, rec: Recorded) -> None:
+        """Keep a step's inputs for the comparison of a bad step's batch with the ones before it (at most
+        ``history`` steps and INPUTS_BYTES of tensors: the batches are referenced, not copied)."""
+        size = sum(t.numel() * t.element_size() for item in rec.items for _, t in iter_tensors(item))
+        self.inputs.append((rec, size))
+        while len(self.inputs) > 1 and sum(n for _, n in self.inputs) > INPUTS_BYTES:
+            self.inputs.popleft()
+
+    def recent_inputs(self, step: int) -> list[Recorded]:
+        return [rec for rec, _ in self.inputs if rec.step < step]
+
+    def growth(self, back: int = 1) -> dict[str, float]:
+        """|w| after / |w| before per parameter, of the update ``back`` steps before the last one run."""
+        if len(self.norms) < back + 2:
+            return {}
+        after, before = self.norms[-1 - back], self.norms[-2 - back]
+        sizes = sorted(v for v in before.values() if math.isfinite(v))
+        floor = sizes[len(sizes) // 2] if sizes else 0.0   # small tensors (fresh biases) grow by large factors
+        return {k: after[k] / before[k] for k in after
+                if before.get(k) and before[k] >= floor and math.isfinite(after[k])}
 
     def _observe(self, outcome: StepOutcome) -> None:
         """After the first step: what the step function really trains in, and state kept on modules."""
@@ -283,11 +325,15 @@ def _bad_record_note(record: StepRecord, reason: str) -> str:
 
 def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayConfig, where: str,
           max_steps: int | None = None, on_progress: Callable[[int], None] | None = None,
-          policy: str = "native", keep_last: bool = False) -> Reached:
+          policy: str = "native", keep_last: bool = False, excursions: bool = False) -> Reached:
     """Replay to step ``at`` (or to the first bad step) and return the state before it.
 
     The target's objects are left in that state. Without a bad step, NoBadStep is raised; with
-    ``keep_last`` it carries the state before the last replayed step.
+    ``keep_last`` it carries the state before the last replayed step. With ``excursions`` (``run``
+    without ``--at``), a spike decided at once that comes back to normal within ``persist_steps``
+    steps is an excursion: it is noted and the replay goes on to the first failure that does not
+    recover (that failure's ``onset`` is the excursion); when nothing fails after it, the excursion
+    itself is the step returned.
     """
     if at is not None and (isinstance(at, bool) or at < 0):
         raise UsageError(f"--at {at} is negative", "--at", "Give a step number >= 0")
@@ -316,7 +362,7 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
         if at is not None:
             return _reach_at(r, at, start, reached_by, notes, on_progress)
         limit = max_steps if max_steps is not None else cfg.max_steps
-        return _reach_first_bad(r, start, limit, reached_by, notes, on_progress, keep_last)
+        return _reach_first_bad(r, start, limit, reached_by, notes, on_progress, keep_last, excursions)
     finally:
         r.stream.close()
 
@@ -331,10 +377,12 @@ def _open(r: Replayer, k: int):
 def _reached(r: Replayer, k: int, recorded: Recorded, snap: Snapshot, status: Status, reason: str | None,
              record: StepRecord | None, history, ratios, reached_by: str, notes: list[str],
              error: UserCodeError | None = None, earlier: list[StepRecord] | None = None) -> Reached:
+    before = r.recent_inputs(k)
+    growth = r.growth(1 if record is not None else 0)
     return Reached(step=k, recorded=recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
                    status=status, reason=reason, record=record, history=list(history), update_ratios=ratios,
                    reached_by=reached_by, notes=notes + r.notes, policy=r.policy, error=error,
-                   earlier=list(earlier or []), **scheduler_info(r.target))
+                   earlier=list(earlier or []), before=before, growth=growth, **scheduler_info(r.target))
 
 
 def _raised(exc: UserCodeError, k: int, position: Position | None) -> str:
@@ -385,6 +433,7 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
             notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
             return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
                             history, ratios, reached_by, notes, error=exc, earlier=earlier)
+        r.remember(Recorded(step=k, items=list(feed.items), position=feed.position))
         status, reason = r.judge.judge(record, params_finite)
         if status is not Status.FINITE:
             earlier.append(record)
@@ -399,12 +448,47 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+@dataclass(slots=True)
+class _Watch:
+    """A spike decided at once, replayed past to see whether it recovers: what rebuilds the state before it."""
+
+    step: int
+    recorded: Recorded
+    record: StepRecord
+    status: Status
+    reason: str | None
+    rolling: Snapshot
+    log: list[Recorded]
+    history: list[StepRecord]
+    growth: dict[str, float]
+    before: list[Recorded]
+    left: int                       # steps still to watch
+    note: str = ""
+
+
+def _excursion_note(w: _Watch, back: StepRecord) -> str:
+    prev = [h.loss for h in w.history[-3:] if h.loss is not None]
+    jump = ""
+    if prev and w.record.loss is not None and min(prev) > 0:
+        jump = f"loss {prev[-1]:.3g} -> {w.record.loss:.3g} (x{w.record.loss / prev[-1]:.3g}); "
+    moved = ""
+    if w.growth:
+        name = max(w.growth, key=lambda n: abs(math.log(w.growth[n])) if w.growth[n] > 0 else math.inf)
+        if not 0.9 < w.growth[name] < 1.1:
+            moved = f"the update before it took {name} |w| x{w.growth[name]:.3g}; "
+    return (f"step {w.step} was an excursion that recovered: {jump}{moved}back to normal at step {back.step} "
+            f"(loss {back.loss:.3g}) [{w.reason}]")
+
+
 def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes: list[str],
-                     on_progress: Callable[[int], None] | None, keep_last: bool = False) -> Reached:
+                     on_progress: Callable[[int], None] | None, keep_last: bool = False,
+                     excursions: bool = False) -> Reached:
     history: deque[StepRecord] = deque(maxlen=max(r.cfg.history, 1))
     every = max(r.cfg.snapshot_every, 1)
     rolling: Snapshot | None = None
     log: list[Recorded] = []
+    watch: _Watch | None = None     # a spike being watched for recovery
+    first: _Watch | None = None     # the first excursion that recovered (kept to diagnose if nothing fails)
     k = start
 
     def last() -> Reached | None:
@@ -416,35 +500,99 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         return _reached(r, rec.step, log[-1], snap, Status.FINITE, None, rec, list(history)[:-1], ratios,
                         reached_by, notes)
 
+    def at_watch(w: _Watch, extra: list[str]) -> Reached:
+        """The state before a watched spike (rebuilt from the snapshot it started from)."""
+        hist = deque(w.history, maxlen=history.maxlen)
+        snap, ratios = _rebuild(r, w.rolling, w.log, hist)
+        out = _reached(r, w.step, w.recorded, snap, w.status, w.reason, w.record, hist, ratios, reached_by,
+                       notes + extra)
+        out.growth, out.before = w.growth, w.before
+        return out
+
+    def end(exc: NoBadStep) -> NoBadStep | Reached:
+        if first is None:
+            return exc
+        ran = "the data ran out" if exc.data_ended else f"the --max-steps limit {limit}"
+        return at_watch(first, [f"nothing failed after it in the {k - first.step - 1} steps to {ran}: "
+                                f"diagnosing the excursion at step {first.step}"])
+
+    def finish(out: Reached) -> Reached:
+        if first is not None:
+            out.onset = first.step
+        return out
+
     while True:
         if k - start >= limit:
-            raise NoBadStep(k - start, list(history), limit, last=last())
+            done = end(NoBadStep(k - start, list(history), limit, last=last()))
+            if isinstance(done, Reached):
+                return done
+            raise done
         feed = _open(r, k)
         if feed is None:
-            raise NoBadStep(k - start, list(history), limit, data_ended=True,
-                            epochs=None if r.stream.callable else r.stream.epoch + 1, last=last())
-        if rolling is None or len(log) >= every:
+            done = end(NoBadStep(k - start, list(history), limit, data_ended=True,
+                                 epochs=None if r.stream.callable else r.stream.epoch + 1, last=last()))
+            if isinstance(done, Reached):
+                return done
+            raise done
+        if watch is None and (rolling is None or len(log) >= every):
             # the state at step k's start; its first micro-batch is already fetched, and replaying the
-            # log puts the RNG where that fetch left it, so the snapshot may be taken after it
-            rolling = r.loop.objects.take(reuse=rolling)
+            # log puts the RNG where that fetch left it, so the snapshot may be taken after it (the
+            # snapshot an excursion is rebuilt from is kept)
+            rolling = r.loop.objects.take(reuse=None if first is not None and first.rolling is rolling else rolling)
             log = []
         try:
             outcome, record, step_ratios, params_finite = r.run(feed)
         except UserCodeError as exc:
+            if watch is not None:   # a step that raises right after a spike: the spike did not recover
+                return finish(at_watch(watch, []))
             recorded = Recorded.of_partial(feed)
             snap, ratios = _rebuild(r, rolling, log, history)
-            return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
-                            history, ratios, reached_by, notes, error=exc)
+            return finish(_reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
+                                   history, ratios, reached_by, notes, error=exc))
         recorded = Recorded.of(feed)
         status, reason = r.judge.judge(record, params_finite)
         if on_progress:
             on_progress(k)
-        if status is not Status.FINITE:
+        if watch is not None:
+            if status is Status.NONFINITE and first is not None:
+                # after an excursion that recovered, a spike is judged by what follows it: it ran into
+                # non-finite values, and the first non-finite step is the failure, with the excursion as onset
+                notes.append(f"step {watch.step} did not recover ({watch.reason}); step {k} is non-finite")
+                snap, ratios = _rebuild(r, rolling, log, history)
+                out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes)
+                out.onset = first.step
+                return out
+            if status is not Status.FINITE:
+                return finish(at_watch(watch, []))   # it did not recover: the spike is the failure
+            if r.judge.back_to_normal(record):
+                watch.note = _excursion_note(watch, record)
+                notes.append(watch.note)
+                if first is None:
+                    first = watch
+                watch = None
+            else:
+                watch.left -= 1
+                if watch.left <= 0:
+                    return finish(at_watch(watch, []))
+        elif status is not Status.FINITE:
+            if excursions and status is Status.SPIKE and r.judge.at_once():
+                watch = _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason,
+                               rolling=rolling, log=list(log), history=list(history), growth=r.growth(1),
+                               before=r.recent_inputs(k),
+                               left=max(r.cfg.persist_steps, 1))
+                r.judge.add(record, excursion=True)
+                log.append(recorded)
+                history.append(record)
+                r.remember(recorded)
+                k += 1
+                continue
             snap, ratios = _rebuild(r, rolling, log, history)
-            return _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes)
+            return finish(_reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by,
+                                   notes))
         log.append(recorded)
         r.judge.add(record)
         history.append(record)
+        r.remember(recorded)
         k += 1
 
 

@@ -38,11 +38,14 @@ CASES = {
     "exp_link_gradient_explosion.py": (7, "lr_spike", "update", "f.2", lambda r: (
         "unclipped" in _text(r) and "clip_grad_norm_" in _codes(r))),
     "heavy_tailed_lr_milestone_bug.py": (31, "lr_spike", "update", "head", lambda r: "rose from 0.003" in _text(r)),
+    # data only with evidence in the data: the key that stands out is named, with its samples
     "spike_unit_mixup_batch.py": (24, "data", "input", None, lambda r: (
         "constant" in _text(r) and "the updates are small" in _text(r) and r.status is Status.SPIKE
-        and "--limit 25" in _codes(r))),
+        and "batch['weight'] is 921x its usual size" in _text(r) and "samples [0, 1, 2, 3, 4]" in _text(r)
+        and "--limit 25" in _codes(r) and "batch['weight']" in r.top.fixes[0].title)),
     "spike_sensor_glitch_sgd.py": (18, "data", "input", None, lambda r: (      # its own huge update is no evidence
-        "the updates are small" in _text(r) and "this step's own update" not in _text(r))),
+        "the updates are small" in _text(r) and "this step's own update" not in _text(r)
+        and "batch[0] is" in _text(r))),
     # 3. GradScaler judged by its scale
     "fp16_scaler_skip_storm.py": (17, "overflow", "backward", "atom_mlp.2", lambda r: (
         "loss scale 0.5" in _text(r) and "even unscaled" in _text(r)
@@ -171,3 +174,28 @@ def test_device_side_assert_reads_as_data():
     error = UserCodeError("loss.backward()", RuntimeError("CUDA error: device-side assert triggered"))
     assert explained_by(error) == "device_assert"
     assert explained_by(UserCodeError("x", RuntimeError("mat1 and mat2 shapes cannot be multiplied"))) is None
+
+
+def test_an_early_excursion_that_recovers_is_the_onset_not_the_diagnosis(tmp_path):
+    """An unclipped IRNN: the loss jumps 433x at step 2 and recovers at step 3; much later the recurrence
+    explodes and the loss is NaN. ``run`` notes the excursion, replays on, and diagnoses the NaN step (the
+    plain loop's, measured here) with the excursion as onset; smoke keeps stopping at the excursion."""
+    import sys
+
+    from conftest import EXAMPLES
+    sys.path.insert(0, str(EXAMPLES))   # conftest puts sys.path back
+    import irnn_unclipped_explodes
+    from plain_loop import train
+    nan_step, _ = train(irnn_unclipped_explodes.target(), steps=400, verbose=False)
+    assert nan_step is not None and nan_step > 100
+    entry = example("irnn_unclipped_explodes.py") + ":target"
+    report = diagnose(entry)
+    top = report.top
+    assert (report.step, report.status) == (nan_step, Status.NONFINITE), report.notes
+    assert (top.cause.value, top.phase.value, top.module, top.onset) == ("lr_spike", "update", "rnn", 2), top
+    assert any(n.startswith("step 2 was an excursion that recovered") for n in report.notes)
+    assert "grew rnn.weight_hh_l0 |w| x" in _text(report) and "unclipped" in _text(report)
+    assert top.fixes[0].title.startswith(("Lower the learning rate", "Clip")), [f.title for f in top.fixes]
+    assert report.to_json()["findings"][0]["onset"] == 2
+    result = smoke(entry, steps=6, capsule_dir=tmp_path)
+    assert (result.exit_code, result.report.step) == (1, 2)

@@ -300,11 +300,64 @@ def test_a_damaged_capsule_field_exits_2_naming_the_field(good_capsule, tmp_path
     assert repr(field) in result.output or field in result.output
 
 
-def test_a_truncated_capsule_says_truncated(good_capsule, tmp_path):
+def _tensor_nodes(x):
+    if isinstance(x, dict):
+        if x.get("__nanprobe__") == "tensor":
+            yield x
+        for v in x.values():
+            yield from _tensor_nodes(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _tensor_nodes(v)
+
+
+def _first_state(data):
+    return next(iter(data["optimizers"][0]["state"].values()))
+
+
+# (what is damaged, how, the field the one line names, what it says)
+DAMAGED = [
+    ("torch RNG of the wrong size", lambda d: d["rng"].update(torch=torch.zeros(100, dtype=torch.uint8)),
+     "'rng'", "holds 100 uint8 values"),
+    ("Python RNG that is no state vector", lambda d: d["rng"].update(python=[3, [1, 2, 3], None]), "'rng'",
+     "not 625 integers"),
+    ("micro-batch RNG of the wrong size", lambda d: d.update(micro_rng=[{"torch": torch.zeros(5, dtype=torch.uint8)}]),
+     "'micro_rng[0]'", "holds 5 uint8"),
+    ("a batch tensor that is a string", lambda d: next(_tensor_nodes(d["micro_batches"])).update(data="hello"),
+     "'micro_batches'", "holds a str, not a tensor"),
+    ("a micro-batch that is a string", lambda d: d["micro_batches"].__setitem__(0, "garbage"), "'micro_batches'",
+     "is a str"),
+    ("Adam state of another shape", lambda d: _first_state(d).update(exp_avg=_first_state(d)["exp_avg"][:1]),
+     "'optimizers'", "has shape (1, 200), the parameter (32, 200)"),
+    ("Adam step that is not a number", lambda d: _first_state(d).update(step=torch.zeros(3)), "'optimizers'", "not a number"),
+]
+
+
+@pytest.mark.parametrize("how, names, says", [d[1:] for d in DAMAGED], ids=[d[0] for d in DAMAGED])
+def test_a_damaged_capsule_value_exits_2_naming_the_field(good_capsule, tmp_path, how, names, says):
+    data = torch.load(good_capsule, weights_only=True)
+    how(data)
     bad = tmp_path / good_capsule.name
-    bad.write_bytes(good_capsule.read_bytes()[:2000])
+    torch.save(data, bad)
     result = invoke("run", example("div_l2norm_no_eps.py") + ":target", "--capsule", bad)
-    assert result.exit_code == 2 and "truncated" in result.output
+    assert result.exit_code == 2, result.output
+    assert len(_lines(result)) == 1 and "Traceback" not in result.output and "internal error" not in result.output
+    assert f"capsule field {names} is damaged" in result.output and says in result.output, result.output
+
+
+@pytest.mark.parametrize("keep", [2000, 0.5, -30, -1])
+def test_a_truncated_capsule_says_truncated_with_sizes(good_capsule, tmp_path, keep):
+    whole = good_capsule.read_bytes()
+    cut = keep if isinstance(keep, int) and keep > 0 else int(len(whole) * keep) if isinstance(keep, float) \
+        else len(whole) + keep
+    bad = tmp_path / good_capsule.name
+    bad.write_bytes(whole[:cut])
+    result = invoke("run", example("div_l2norm_no_eps.py") + ":target", "--capsule", bad)
+    assert result.exit_code == 2 and len(_lines(result)) == 1, result.output
+    assert f"file is truncated: " in result.output and f"{cut:,} bytes" in result.output, result.output
+    if keep == 0.5:   # past the pickle: the tensors it lists say how large the file must at least be
+        needed = int(result.output.split("alone need ")[1].split(" ")[0].rstrip(".").replace(",", ""))
+        assert cut < needed <= len(whole)
 
 
 def test_a_capsule_from_a_newer_nanprobe_and_torch_warns(good_capsule, tmp_path):
@@ -324,3 +377,33 @@ def test_library_sys_exit_is_an_error_not_an_exit():
         diagnose(f"{H}:exits_0")
     assert info.value.exit_code == 2 and info.value.step == 2
     assert "sys.exit(0)" in info.value.message and "hostile.py" in info.value.message
+
+
+# -- every bad step gets a finding; progress in CI logs --------------------------------------------------------
+
+def test_a_nan_constant_in_the_code_gets_a_finding_with_its_origin():
+    """No op produces the NaN (the loss is multiplied by float('nan')): the answer is still a finding, at the op
+    where the value enters, with the user's line, a low confidence and the raw facts."""
+    report = diagnose(f"{H}:nan_constant")
+    top = report.top
+    assert (report.step, report.exit_code) == (3, 1)
+    assert (top.cause.value, top.phase.value, top.op) == ("unknown", "forward", "aten.mul.Tensor"), top
+    assert top.confidence < 0.5 and report.origin is not None and report.origin.op == "aten.mul.Tensor"
+    assert report.origin.source.rsplit(":", 1)[0].endswith("hostile.py") and "float(\"nan\")" in report.origin.code
+    text = "\n".join(top.evidence)
+    assert "no op of the step produced it" in text and "loss nan" in text
+    assert [f.title.split(" ")[0] for f in top.fixes] == ["Find", "Skip"]
+
+
+def test_progress_lines_on_stderr_without_a_terminal_and_pure_json_on_stdout(tmp_path):
+    import subprocess
+    import sys
+    cfg = tmp_path / "fast.yaml"
+    cfg.write_text("run:\n  progress_every: 0.05\n")
+    out = subprocess.run([sys.executable, "-c", "from nanprobe.cli import app; app()", "run", f"{H}:endless",
+                          "--at", "40", "--config", str(cfg), "--json", "-"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["step"] == 40
+    lines = [line for line in out.stderr.splitlines() if line.startswith("nanprobe: replayed step")]
+    assert lines and all(line.endswith(" s)") for line in lines), out.stderr

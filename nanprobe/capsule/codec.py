@@ -151,8 +151,14 @@ def _find_type(name: str, check) -> type | None:
 def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any:
     """Rebuild a batch from :func:`encode_batch`; tensors go back to their device where it exists."""
     if not isinstance(enc, dict) or _TAG not in enc:
+        if isinstance(enc, (dict, list, tuple)):   # encode_batch tags every container it writes
+            raise CapsuleError(f"a batch element is an untagged {type(enc).__name__}, which nanprobe never writes",
+                               None, "The capsule is damaged; use another one")
         return enc
     kind = enc[_TAG]
+    if kind in ("tensor", "ndarray") and not isinstance(enc.get("data"), torch.Tensor):
+        raise CapsuleError(f"a batch {kind} holds a {type(enc.get('data')).__name__}, not a tensor", None,
+                           "The capsule is damaged; use another one")
     if kind == "tensor":
         return _to_device(enc["data"], str(enc.get("device", "cpu")), device, notes)
     if kind == "ndarray":
@@ -223,8 +229,53 @@ def rng_to_safe(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rng_from_safe(safe: Any, device_type: str) -> dict[str, Any]:
-    """Capsule RNG -> the format of :func:`nanprobe.state.capture_rng`; CapsuleError when damaged."""
+def _rng_damage(safe: Any) -> str | None:
+    """What is wrong with a capsule's RNG states (sizes and types against this torch and Python), or None.
+
+    A state of the wrong size or type loads fine and fails only when it is set, deep in a replay."""
+    if not isinstance(safe, Mapping):
+        return f"it is a {type(safe).__name__}, not a dict of RNG states"
+    t = safe.get("torch")
+    want = torch.get_rng_state()
+    if not isinstance(t, torch.Tensor):
+        return f"'torch' is a {type(t).__name__}, not a tensor"
+    if t.dtype is not torch.uint8 or t.numel() != want.numel():
+        return (f"'torch' holds {t.numel()} {str(t.dtype).removeprefix('torch.')} values; this torch's CPU "
+                f"generator state is {want.numel()} uint8")
+    if "python" in safe:
+        p = safe["python"]
+        if not isinstance(p, (list, tuple)) or len(p) != 3 or not isinstance(p[1], (list, tuple)):
+            return "'python' is not a Python random state (version, 625 integers, gauss)"
+        if len(p[1]) != 625 or not all(isinstance(v, int) and not isinstance(v, bool) for v in p[1]):
+            return f"'python' holds {len(p[1])} values, not 625 integers"
+        if not all(0 <= v < 2 ** 32 for v in p[1][:624]) or not 0 <= p[1][624] <= 624:
+            return "'python' holds values outside a Mersenne Twister state (32-bit words, position <= 624)"
+        if not (p[2] is None or isinstance(p[2], float)):
+            return "'python' has a gauss value that is neither None nor a float"
+    if "numpy" in safe:
+        n = safe["numpy"]
+        if not isinstance(n, (list, tuple)) or len(n) != 5 or not isinstance(n[1], (list, tuple)) \
+                or len(n[1]) != 624:
+            return "'numpy' is not a numpy MT19937 state (name, 624 keys, pos, has_gauss, cached)"
+    if "cuda" in safe:
+        c = safe["cuda"]
+        states = list(c) if isinstance(c, (list, tuple)) else [c]
+        if not all(isinstance(x, torch.Tensor) and x.dtype is torch.uint8 and x.dim() == 1 for x in states):
+            return "'cuda' is not a list of uint8 generator states"
+        if torch.cuda.is_available():
+            size = torch.cuda.get_rng_state().numel()
+            bad = next((x.numel() for x in states if x.numel() != size), None)
+            if bad is not None:
+                return f"'cuda' holds a state of {bad} values; this CUDA generator's state is {size}"
+    return None
+
+
+def rng_from_safe(safe: Any, device_type: str, field: str = "rng") -> dict[str, Any]:
+    """Capsule RNG -> the format of :func:`nanprobe.state.capture_rng`; CapsuleError naming ``field`` when
+    damaged."""
+    damage = _rng_damage(safe)
+    if damage:
+        raise CapsuleError(f"capsule field {field!r} is damaged: {damage}", None, "Use another capsule")
     try:
         state: dict[str, Any] = {"torch": safe["torch"].to(torch.uint8).cpu()}
         if "python" in safe:
@@ -241,10 +292,8 @@ def rng_from_safe(safe: Any, device_type: str) -> dict[str, Any]:
         if np is not None and "numpy" in safe:
             name, keys, pos, has_gauss, cached = safe["numpy"]
             state["numpy"] = (str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError):
-        raise CapsuleError("capsule field 'rng' is damaged", None, "Use another capsule") from None
-    if state["torch"].numel() == 0:
-        raise CapsuleError("capsule field 'rng' is damaged", None, "Use another capsule")
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError):
+        raise CapsuleError(f"capsule field {field!r} is damaged", None, "Use another capsule") from None
     return state
 
 

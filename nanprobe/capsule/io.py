@@ -181,6 +181,108 @@ def _upgrade(data: dict[str, Any]) -> None:
     data.setdefault("form", "loss_fn")
 
 
+_LOCAL, _DESCRIPTOR, _CENTRAL, _END = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02", b"PK\x05\x06"
+
+
+def _storage_bytes(pkl: bytes) -> int | None:
+    """The bytes of tensor data a torch.save pickle refers to (its persistent ids name each storage's dtype
+    and element count). Nothing in it is called: every global resolves to an inert stand-in."""
+    import io as _io
+    import pickle
+
+    sizes: dict[str, int] = {}
+
+    class Inert:   # stands in for every object the pickle builds: takes items, appends and state, does nothing
+        def __init__(self, *args, **kwargs): pass
+        def __setitem__(self, key, value): pass
+        def __setstate__(self, state): pass
+        def append(self, value): pass
+        def extend(self, values): pass
+
+    dtypes = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16, "BFloat16": torch.bfloat16,
+              "Long": torch.int64, "Int": torch.int32, "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8,
+              "Bool": torch.bool, "ComplexFloat": torch.complex64, "ComplexDouble": torch.complex128}
+
+    class Reader(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module == "torch" and name.endswith("Storage"):
+                return dtypes.get(name.removesuffix("Storage"), torch.uint8)
+            return Inert
+
+        def persistent_load(self, pid):
+            if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+                dtype = pid[1] if isinstance(pid[1], torch.dtype) else torch.uint8
+                sizes[str(pid[2])] = int(pid[4]) * dtype.itemsize
+            return None
+
+    try:
+        Reader(_io.BytesIO(pkl)).load()
+    except Exception:  # noqa: BLE001 - a pickle cut short or of another layout: no estimate
+        return None
+    return sum(sizes.values())
+
+
+def truncation(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(size, expected)`` when a torch.save (zip) file ends inside its own records: the bytes found and
+    at least how many it needs (its data.pickle lists every tensor's bytes). None when it is complete or
+    not a torch.save file. torch writes each record's size after its data, so the records are walked by
+    finding each record's descriptor (one whose size matches the distance walked)."""
+    size = os.path.getsize(path)
+    off, pkl, data_bytes = 0, None, 0
+    with open(path, "rb") as fh:
+        while True:
+            fh.seek(off)
+            head = fh.read(30)
+            if head[:4] == _CENTRAL:   # every record is there; the directory follows, and ends the file
+                fh.seek(max(off, size - 65557))
+                tail = fh.read()
+                i = tail.rfind(_END)
+                return None if i >= 0 and len(tail) - i >= 22 else (size, None)
+            if head[:4] != _LOCAL:
+                return (size, None) if off > 0 and len(head) < 4 else None
+            if len(head) < 30:
+                break
+            nlen, xlen = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
+            fh.seek(off + 30)
+            name = fh.read(nlen)
+            start = off + 30 + nlen + xlen
+            csize = int.from_bytes(head[18:22], "little")
+            end = None
+            if not int.from_bytes(head[6:8], "little") & 8:
+                end = start + csize
+            else:   # find the descriptor that follows this record's data
+                pos, tail = start, b""
+                while end is None:
+                    fh.seek(pos)
+                    chunk = fh.read(1 << 20)
+                    if not chunk:
+                        break
+                    buf = tail + chunk
+                    base = pos - len(tail)
+                    i = buf.find(_DESCRIPTOR)
+                    while i >= 0:
+                        desc = buf[i:i + 24]
+                        if len(desc) >= 16 and int.from_bytes(desc[8:12], "little") == base + i - start or \
+                                len(desc) >= 24 and int.from_bytes(desc[8:16], "little") == base + i - start:
+                            end = base + i
+                            break
+                        i = buf.find(_DESCRIPTOR, i + 1)
+                    tail, pos = buf[-23:], pos + len(chunk)
+            if end is None or end > size:
+                break
+            if name.endswith(b"data.pkl"):
+                fh.seek(start)
+                pkl = fh.read(end - start)
+            elif b"/data/" in name:
+                data_bytes += end - start
+            fh.seek(end)
+            desc = fh.read(24)
+            off = end if not desc.startswith(_DESCRIPTOR) else end + (
+                16 if int.from_bytes(desc[8:12], "little") == end - start else 24)
+    total = _storage_bytes(pkl) if pkl is not None else None
+    return size, (len(pkl) + total if total is not None and len(pkl) + total > size else None)
+
+
 def read(path: str | os.PathLike) -> Capsule:
     """Load a capsule with torch.load(weights_only=True) and check its layout; CapsuleError otherwise."""
     p = Path(path)
@@ -193,6 +295,14 @@ def read(path: str | os.PathLike) -> Capsule:
         data = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - every way a file can fail to load
         text = str(exc)
+        short = truncation(p)
+        if short is not None:
+            found, needed = short
+            raise CapsuleError(f"file is truncated: {found:,} bytes, while the tensors it lists alone need "
+                               f"{needed:,}" if needed else f"file is truncated: it ends after {found:,} bytes, "
+                               "inside its own records", where, "It was cut off while being written or copied: copy it again "
+                                                     "from where the guard wrote it (the guard only gives a capsule "
+                                                     "its name once it is complete)") from None
         if "Weights only load failed" in text or "Unsupported global" in text or "unsupported" in text.lower() \
                 and "global" in text.lower():
             m = re.search(r"GLOBAL ([\w.]+)", text)

@@ -28,6 +28,35 @@ def check_model(capsule: Capsule, model: torch.nn.Module) -> None:
                            "Pass the ENTRY that builds the model the guarded run trained")
 
 
+# per-parameter optimizer state that has the parameter's shape (Adam, AdamW, SGD momentum, RMSprop, Adagrad,
+# Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop); other keys (Adafactor's factored rows) are not checked
+_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "grad_avg",
+                 "sum", "exp_inf", "ax", "prev", "step_size")
+
+
+def optimizer_state_damage(opt: torch.optim.Optimizer) -> str | None:
+    """A loaded optimizer state that does not fit the model: a per-parameter buffer of another shape or
+    type, a step count that is not a number. ``load_state_dict`` accepts them; the update fails later."""
+    names = {id(p): f"param_groups[{g}][{i}]" for g, group in enumerate(opt.param_groups)
+             for i, p in enumerate(group["params"])}
+    for p, state in opt.state.items():
+        if not isinstance(state, Mapping):
+            return f"state of {names.get(id(p), 'a parameter')} is a {type(state).__name__}, not a dict"
+        for key, value in state.items():
+            if key == "step":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) or \
+                    isinstance(value, torch.Tensor) and value.numel() == 1
+                if not ok:
+                    return f"'step' of {names.get(id(p), 'a parameter')} is not a number"
+            elif key in _PARAM_SHAPED:
+                if not isinstance(value, torch.Tensor):
+                    return f"{key!r} of {names.get(id(p), 'a parameter')} is a {type(value).__name__}, not a tensor"
+                if value.shape != p.shape:
+                    return (f"{key!r} of {names.get(id(p), 'a parameter')} has shape {tuple(value.shape)}, the "
+                            f"parameter {tuple(p.shape)}")
+    return None
+
+
 def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
     data = cap.data
     model = target.model
@@ -54,6 +83,10 @@ def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
                 raise CapsuleError(f"state of {name} does not match the entrypoint's: "
                                    f"{str(exc).splitlines()[0][:160]}", cap.path,
                                    "Return the same optimizer type and parameter groups as the guarded run") from None
+            damage = optimizer_state_damage(opt)
+            if damage:
+                raise CapsuleError(f"capsule field 'optimizers' is damaged: {name} {damage}", cap.path,
+                                   "Use another capsule, or return the optimizer of the guarded run")
     for (name, sched), state in zip(target.schedulers, data["schedulers"]):
         if state is None:
             continue
@@ -71,6 +104,14 @@ def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
                                    "Use another capsule") from None
     if len(data["scalers"]) != len(scalers) and data["scalers"]:
         notes.append(f"the capsule holds {len(data['scalers'])} GradScaler state(s), the loop has {len(scalers)}")
+
+
+def _batch_like(enc: Any) -> Any:
+    """A micro-batch as the guard writes it: a tensor or container (tagged), or an index (an int)."""
+    if isinstance(enc, (str, bytes, float, bool)) or enc is None:
+        raise CapsuleError(f"a micro-batch is {'None' if enc is None else 'a ' + type(enc).__name__}, not a batch "
+                           "of tensors", None, "The capsule is damaged; use another one")
+    return enc
 
 
 def _version(text: Any) -> tuple[int, ...]:
@@ -102,7 +143,7 @@ def _field(cap: Capsule, name: str, fn):
     try:
         return fn()
     except CapsuleError as err:
-        what = err.what if repr(name) in err.what else f"capsule field {name!r} is damaged: {err.what}"
+        what = err.what if f"field '{name}" in err.what else f"capsule field {name!r} is damaged: {err.what}"
         raise CapsuleError(what, cap.path, err.fix) from None
     except Exception:  # noqa: BLE001 - a damaged field can fail in any way
         raise CapsuleError(f"capsule field {name!r} is damaged", cap.path, "Use another capsule") from None
@@ -149,7 +190,8 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     if carried:
         _field(cap, "carried", lambda: apply_carried(dict(carried), loop.objects, notes))
     rng = _field(cap, "rng", lambda: rng_from_safe(data["rng"], device.type))
-    micro_rng = _field(cap, "micro_rng", lambda: [rng_from_safe(r, device.type) for r in data["micro_rng"]])
+    micro_rng = _field(cap, "micro_rng", lambda: [rng_from_safe(r, device.type, f"micro_rng[{i}]")
+                                                   for i, r in enumerate(data["micro_rng"])])
     snapshot = loop.objects.take(rng=rng)
     saved_threads = data.get("threads")
     if isinstance(saved_threads, int) and device.type == "cpu" and cap.device.startswith("cpu") \
@@ -173,7 +215,8 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
                      f"using the entrypoint's batch for step {cap.step}")
         snapshot.restore(loop.objects)   # fetching may have drawn from the RNG: back to the capsule's state
     else:
-        items = _field(cap, "micro_batches", lambda: [decode_batch(e, device, notes) for e in data["micro_batches"]])
+        items = _field(cap, "micro_batches", lambda: [decode_batch(_batch_like(e), device, notes)
+                                                      for e in data["micro_batches"]])
         recorded = Recorded(step=cap.step, items=items, rng_after=micro_rng, position=position)
     if data.get("dropped"):
         notes.append(f"not stored in the capsule: {', '.join(map(str, data['dropped'][:3]))}")

@@ -181,13 +181,84 @@ def classify(ev: Evidence) -> list[Finding]:
         lr = found[Cause.LR_SPIKE]
         if ev.reference_finite:
             found[Cause.LR_SPIKE] = replace_conf(lr, lr.confidence * 0.5)
-        elif Cause.OVERFLOW in found:
+        elif Cause.OVERFLOW in found and lr.confidence > 0.5:
             found[Cause.OVERFLOW] = replace_conf(found[Cause.OVERFLOW], min(found[Cause.OVERFLOW].confidence,
                                                                         lr.confidence - 0.05))
     if not found and ev.origin is not None:
         f = unknown_origin(ev.origin)
         found[f.cause] = f
+    if not found or entered(ev) is not None:
+        f = unknown_step(ev)   # a value from outside the step's ops: say where it entered, whatever else is found
+        if f is not None:
+            found[f.cause] = f
     return sorted(found.values(), key=lambda f: -f.confidence)
+
+
+def entered(ev: Evidence) -> Event | None:
+    """The first op whose output was non-finite when no op of the step produced the value (a NaN constant,
+    a tensor from outside the step), where the rerun saw no origin."""
+    return ev.main.trace.entered if ev.origin is None and ev.main.trace is not None else None
+
+
+def nonfinite_state(ev: Evidence) -> list[str]:
+    """The model tensors that are already non-finite before the step (an earlier update or the checkpoint
+    wrote them)."""
+    return [name for name, t in ev.reached.snapshot.model.items()
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+
+
+def raw_facts(ev: Evidence) -> list[str]:
+    """What the replay and the instrumented rerun saw, in numbers."""
+    rec = ev.reached.record
+    lines = []
+    if ev.reached.reason:
+        lines.append(f"replay: {ev.reached.reason} at step {ev.reached.step}")
+    if rec is not None:
+        lines.append(f"step {rec.step}: loss {g(rec.loss)}, gradient norm {g(rec.grad_norm)}, lr {g(rec.lr)}"
+                     + (f", |dw|/|w| {g(rec.update_ratio)}" if rec.update_ratio is not None else ""))
+    if ev.main.record is not None:
+        m = ev.main.record
+        lines.append(f"the instrumented rerun: loss {g(m.loss)}, gradient norm {g(m.grad_norm)}, "
+                     f"{ev.main.trace.ops_checked if ev.main.trace else 0} ops checked")
+    return lines
+
+
+def unknown_step(ev: Evidence) -> Finding | None:
+    """A bad step no rule explained: still a finding, with the origin where one was seen, a low confidence and
+    the raw facts (never an empty answer)."""
+    bad = ev.reached.status is not Status.FINITE or not ev.main.finite or entered(ev) is not None \
+        or ev.reached.error is not None
+    if not bad:
+        return None
+    e = entered(ev)
+    if e is not None and nonfinite_state(ev):
+        return None   # the value entered from weights already non-finite: the corrupted-state rule says so
+    if e is not None:
+        scalars = [s for s in e.scalars if isinstance(s, float) and not math.isfinite(s)]
+        src = f" at {e.source}" if e.source else ""
+        return finding(Cause.UNKNOWN, 0.35, e, [
+            f"{e.phase.value}: {where(e)} is the first op with a non-finite output ({e.kind}, {e.out_nonfinite} of "
+            f"{e.out_numel} values, {e.out_dtype}){src}",
+            "its input was already non-finite and no op of the step produced it: the value entered from outside "
+            "the ops nanprobe checks" + (f" - a non-finite constant in the call ({', '.join(map(str, scalars))})"
+                                        if scalars else " (a NaN/inf constant or Python float in your code, a "
+                                        "tensor computed before the step or outside torch)"),
+            *(f"input {i}: {s.numel} values, range {g(s.min)}..{g(s.max)}, {s.nonfinite} non-finite"
+              for i, s in enumerate(e.inputs[:3])),
+            *raw_facts(ev)])
+    rec = ev.reached.record
+    if rec is not None and rec.loss is not None and not math.isfinite(rec.loss):
+        phase = Phase.FORWARD
+    elif rec is not None and rec.grad_norm is not None and not math.isfinite(rec.grad_norm):
+        phase = Phase.BACKWARD
+    elif rec is not None and not rec.finite:
+        phase = Phase.UPDATE
+    else:
+        phase = Phase.INPUT if ev.reached.status is Status.SPIKE else Phase.FORWARD
+    return finding(Cause.UNKNOWN, 0.2, None, [
+        *raw_facts(ev),
+        "no op of the instrumented rerun produced a non-finite value and no rule explains the step: read the "
+        "numbers above, and the fixes below for how to see more"], phase=phase, module=None, op=None)
 
 
 def unknown_origin(e: Event, extra: list[str] | None = None) -> Finding:

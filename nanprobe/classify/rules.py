@@ -9,12 +9,10 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
-
 from ..precision import limits
 from ..report import Cause, Finding, Phase, Status, StepRecord
-from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, op_base, origin_line, rule,
-                   zeros)
+from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, nonfinite_state, op_base,
+                   origin_line, rule, zeros)
 from .ops import semantics_for
 
 
@@ -103,9 +101,24 @@ def _update_lines(ev: Evidence, hist: list[StepRecord]) -> tuple[list[str], floa
         return [f"update ratio |dw|/|w| reached {g(ratio)} at {at}: one step replaced the weights' norm "
                 f"(limit {cfg.update_ratio_limit:g}; a healthy step moves about 1e-3)"], 0.75
     if ratio > cfg.update_ratio_high:
-        return [f"update ratio |dw|/|w| reached {g(ratio)} at {at}, far above a healthy ~1e-3 per step "
-                f"(evidence above {cfg.update_ratio_high:g})"], 0.55
-    return [f"update ratio |dw|/|w| is at most {g(ratio)} ({at}): the updates are small"], 0.0
+        return [f"update ratio |dw|/|w| reached {g(ratio)} at {at}, {ratio / 1e-3:.0f}x a healthy ~1e-3 per step: "
+                f"large (evidence above {cfg.update_ratio_high:g})"], 0.55
+    return [f"update ratio |dw|/|w| is at most {g(ratio)} ({at}): the updates are small (a healthy step moves "
+            "~1e-3)"], 0.0
+
+
+def _growth_lines(ev: Evidence) -> tuple[list[str], str | None, float]:
+    """The weights themselves: a parameter whose norm grew by ``weight_growth_high`` or more in the update
+    before the step (an identity init going x3.8) took a step that was too big."""
+    growth = ev.reached.growth
+    if not growth:
+        return [], None, 0.0
+    name = max(growth, key=lambda k: growth[k])
+    x = growth[name]
+    if x > ev.cfg.weight_growth_high:
+        return [f"the update of step {ev.reached.step - 1} grew {name} |w| x{x:.3g} in one step (a healthy update "
+                "changes |w| by about 0.1%): a step that was too big"], name, 0.6
+    return [], None, 0.0
 
 
 def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
@@ -114,7 +127,9 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     hist: list[StepRecord] = list(ev.reached.history)
     lr_lines, lr_strength = _lr_lines(ev, hist)
     up_lines, up_strength = _update_lines(ev, hist)
-    lines = lr_lines + up_lines
+    grow_lines, grew, grow_strength = _growth_lines(ev)
+    lines = lr_lines + up_lines + grow_lines
+    up_strength = max(up_strength, grow_strength) + (0.1 if up_strength and grow_strength else 0.0)
     strength = max(lr_strength, up_strength) + (0.15 if lr_strength and up_strength else 0.0)
     # the gradient norm exploding in the steps BEFORE this one (this step's own norm follows its loss)
     norms = [h.grad_norm for h in hist if h.grad_norm is not None and math.isfinite(h.grad_norm)]
@@ -127,7 +142,9 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
             strength = max(strength, 0.5)
     module = None
     source = ev.reached.update_ratios or ev.main.update_ratios
-    if source and strength:
+    if grew and not (source and up_strength > grow_strength):
+        module = grew.rsplit(".", 1)[0] if "." in grew else ""
+    elif source and strength:
         pname = max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
         lines.insert(0, f"largest relative update: {pname} ({g(source[pname])})")
@@ -143,17 +160,39 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
     lines, module, strength = step_size_evidence(ev)
     spike = ev.reached.status is Status.SPIKE
     reason = ev.reached.reason
+    shifts = [p for p in ev.data if p.code == "shift"]
+    found: list[Finding] = []
+    if spike and shifts and not any(p.level == "error" for p in ev.data):
+        # positive evidence in the data: a key of this batch stands out against the batches before it
+        found.append(finding(Cause.DATA, 0.85 if not strength else 0.6, None, [
+            f"step {ev.reached.step}: {reason}",
+            *(q.message + (f"; samples {list(q.samples)}" if q.samples else "") for q in shifts[:3]), *lines,
+            *(["the step size did not change and the updates are small: the LR does not explain it"]
+              if not strength else [])], phase=Phase.INPUT, module=None, op=None))
     if not strength:
-        if not spike or any(p.level == "error" for p in ev.data):
-            return []
-        return [finding(Cause.DATA, 0.45, None, [
+        if found or not spike or any(p.level == "error" for p in ev.data):
+            return found
+        n = len(ev.reached.before)
+        return [finding(Cause.UNKNOWN, 0.3, None, [
             f"step {ev.reached.step}: {reason}", *lines,
-            "the step size did not change and the updates are small, so the LR does not explain it: the batch "
-            "(or the data from this step on) does; compare it with the batches before (nanprobe scan-data)"],
+            "the step size does not explain it (the LR did not change, the updates are small) and the batch does "
+            f"not stand out: no key's range, norm, label histogram or lengths leave what the {n} batches before "
+            "it spanned" if n else "the step size does not explain it (the LR did not change, the updates are "
+            "small) and there are no earlier batches to compare this one with",
+            "hypotheses: (1) the data - this batch differs in a way its per-key statistics do not show (a few "
+            "mislabelled samples, targets of another source); (2) the step size - an update that was too big for "
+            "where the weights were (a sharp region, Adam's second moment still small)",
+            f"the check that tells them apart: rerun step {ev.reached.step} from the same state with the batch of "
+            f"step {ev.reached.step - 1} (a spike that stays is the step size), or with a 10x smaller LR (a spike "
+            "that stays is the data)"],
             phase=Phase.INPUT, module=None, op=None)]
     conf = strength
     if any(p.level == "error" for p in ev.data):
         conf -= 0.4  # bad data explains the blow-up better
+    if shifts:
+        conf -= 0.3  # a batch that stands out explains the failure better than the step size
+    if e is None and ev.main.trace is not None and ev.main.trace.entered is not None:
+        conf -= 0.4  # the non-finite value came from outside the step's ops: no step size makes a NaN constant
     if ev.reached.error is not None and e is None:
         conf -= 0.4  # the step raised before any NaN existed: its input did it, not the step size
     if ev.reference_finite is False or (e is not None and not is_low(e.out_dtype)):
@@ -162,7 +201,7 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
         conf += 0.1
     if reason:
         lines.insert(0, f"replay: {reason} at step {ev.reached.step}")
-    return [finding(Cause.LR_SPIKE, conf, None, lines, phase=Phase.UPDATE, module=module, op=None)]
+    return found + [finding(Cause.LR_SPIKE, conf, None, lines, phase=Phase.UPDATE, module=module, op=None)]
 
 
 @rule
@@ -182,8 +221,7 @@ def corrupted_state_rule(ev: Evidence) -> list[Finding]:
     """Weights or buffers already non-finite before the step: an earlier update (or the checkpoint) did it."""
     if ev.origin is not None or ev.main.finite:
         return []
-    bad = [name for name, t in ev.reached.snapshot.model.items()
-           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    bad = nonfinite_state(ev)
     if not bad:
         return []
     module = bad[0].rsplit(".", 1)[0] if "." in bad[0] else ""

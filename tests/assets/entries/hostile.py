@@ -141,3 +141,32 @@ def step_fn_bad_return():
     del out["loss_fn"]
     opt.append(out["optimizer"])
     return out
+
+
+def nan_constant():
+    """The loss times a NaN constant on the 4th call: no op produces the NaN, it enters from the code."""
+    calls = [0]
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        loss = F.cross_entropy(m(b[0]), b[1])
+        if calls[0] == 4:
+            loss = loss * float("nan")
+        return loss
+    return _build(loss_fn=loss_fn)
+
+
+def loss_scaled_once():
+    """The loss of step 7 is multiplied by 1e4 (a bug in the loss code, not the data and not the LR): Adam,
+    clipped, with ordinary batches; the spike recovers at once."""
+    calls = [0]
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)) for _ in range(12)]
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        loss = F.cross_entropy(m(b[0]), b[1])
+        return loss * 1e4 if calls[0] == 8 else loss
+    out = _build(batches=batches, loss_fn=loss_fn, max_grad_norm=1.0)
+    out["optimizer"] = torch.optim.Adam(out["model"].parameters(), lr=1e-3)
+    return out
