@@ -15,7 +15,7 @@ import torch
 
 from .batch import map_tensors
 from .errors import NanprobeError, TargetError, UsageError, UserCodeError, UserExit
-from .precision import Precision, parse_precision
+from .precision import Precision, parse_precision, weights_precision
 
 
 @dataclass(kw_only=True)
@@ -45,9 +45,21 @@ class Target:
     num_classes: int | None = None
     ignore_index: int = -100
 
+    # the low precision the weights themselves are stored in (pure bf16/fp16 training), else None;
+    # set from the model: a target whose weights are bf16 trains in bf16 without any autocast
+    weights: Precision | None = dataclasses.field(default=None, init=False)
+
     def __post_init__(self):
         self.precision = parse_precision(self.precision) if not isinstance(self.precision, Precision) \
             else self.precision
+        self.weights = weights_precision(self.model) if isinstance(self.model, torch.nn.Module) else None
+        if self.weights is not None and self.precision is Precision.FP32:
+            self.precision = self.weights   # no autocast: the run computes in its weights' dtype
+
+    @property
+    def pure(self) -> bool:
+        """The run computes in its weights' own low dtype, with no autocast (``model.to(torch.bfloat16)``)."""
+        return self.weights is not None and self.weights is self.precision
 
     # -- the user's objects as named lists (one object, a list or a dict) --------------------------
     @property
@@ -86,7 +98,7 @@ def named(obj: Any, base: str) -> list[tuple[str, Any]]:
     return [(base, obj)]
 
 
-KEYS = tuple(f.name for f in dataclasses.fields(Target))
+KEYS = tuple(f.name for f in dataclasses.fields(Target) if f.init)
 REQUIRED = ("model", "batches")
 _HINTS = {
     "model": 'a torch.nn.Module, e.g. "model": model',
@@ -178,6 +190,8 @@ def validate(obj: Any, where: str) -> Target:
     if precision not in (Precision.FP32, Precision.BF16, Precision.FP16):
         raise TargetError(f"'precision' {precision.value!r} is not a training precision", where,
                           'Use "fp32", "bf16" or "fp16"')
+    if precision is Precision.FP32:   # fp32 (no autocast) over bf16/fp16 weights computes in their dtype
+        precision = weights_precision(model) or precision
     scaler = values.get("grad_scaler", False)
     if scaler is None:
         scaler = False

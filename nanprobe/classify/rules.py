@@ -254,6 +254,14 @@ def origin_rule(ev: Evidence) -> list[Finding]:
             tiny = min((s.min_nonzero for s in probe.inputs if s.min_nonzero is not None), default=None)
             run_dtype = str(ev.reached.precision.dtype).replace("torch.", "")
             lim = limits(ev.reached.precision.dtype)
+            if tiny is not None and tiny >= lim.tiny:
+                # no reference value is small enough to flush: the zeros are rounding (the cancellation of
+                # nearly equal terms, e.g. E[x^2] - E[x]^2), the low precision's lack of digits, not its range
+                lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
+                             f"{ev.reached.precision.value} run but non-zero in {ev.reference.precision.value} "
+                             f"(smallest {g(tiny)}, within {run_dtype}'s range): rounding cancelled them (a "
+                             f"difference of nearly equal terms); precision is the problem, not the data")
+                return False
             lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
                          f"{ev.reached.precision.value} run but non-zero in {ev.reference.precision.value} (smallest "
                          f"{g(tiny)}; {run_dtype} flushes below {lim.subnormal:.2g})")
@@ -270,9 +278,11 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         if info:
             extra.append(f"parameter {info.get('parameter')} ({info.get('optimizer', 'optimizer')}, lr "
                          f"{g(info.get('lr'))}, eps {g(info.get('eps'))})")
-            if "exp_avg_sq_zeros" in info:
-                extra.append(f"exp_avg_sq: {info['exp_avg_sq_zeros']} of {info['exp_avg_sq_numel']} entries are 0 "
-                             f"(min {g(info['exp_avg_sq_min'])})")
+            # the second moment the update divides by (Adam's exp_avg_sq, RMSprop's square_avg, Adagrad's sum)
+            key = next((k for k in ("exp_avg_sq", "square_avg", "sum") if f"{k}_zeros" in info), None)
+            if key is not None:
+                extra.append(f"{key}: {info[f'{key}_zeros']} of {info[f'{key}_numel']} entries are 0 "
+                             f"(min {g(info[f'{key}_min'])})")
         if fam == "div" or (info.get("eps") == 0):
             return [finding(Cause.DIV, 0.93, e, lines + extra + [
                 "the update divides by sqrt(second moment) + eps, and both are 0 for parameters whose gradient "
