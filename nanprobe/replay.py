@@ -154,7 +154,10 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str,
     params_finite = True
     if params:
         after = values[4:4 + n]
-        params_finite = all(math.isfinite(v) for v in after)
+        # an inf norm of finite weights is the norm's own overflow (sum of squares of values near 1e38):
+        # those tensors (rare) are checked exactly
+        params_finite = all(math.isfinite(v) or (math.isinf(v) and bool(torch.isfinite(p).all()))
+                            for v, p in zip(after, params))
         if before is not None:
             delta, prev = values[4 + n:4 + 2 * n], values[4 + 2 * n:4 + 3 * n]
             for (name, _), d, w in zip(named, delta, prev):

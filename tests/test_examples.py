@@ -29,6 +29,8 @@ TABLE = [
     ("lr_schedule_spike.py", None, "lr_spike", "update", None),
     ("adam_eps_zero.py", 0, "div", "update", "embed"),
     ("adamw_fused_eps_zero.py", 0, "div", "update", "embed"),
+    ("std_single_sample_batch.py", 4, "div", "forward", "whiten"),
+    ("lora_adapter_lr_typo.py", 1, "lr_spike", "update", "body.0"),
     ("exp_overflow_softplus.py", 3, "overflow", "forward", "encoder.act"),
     ("masked_log_where.py", 2, "log", "forward", "safe_log"),
     ("flaky_not_reproduced.py", 4, "not_reproduced", None, None),

@@ -13,8 +13,8 @@ import torch
 
 from ..precision import limits
 from ..report import Cause, Finding, Phase, Status, StepRecord
-from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, op_base, origin_line, rule,
-                   zeros)
+from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, op_base, origin_line,
+                   owning_group, rule, zeros)
 from .ops import semantics_for
 
 
@@ -128,10 +128,25 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     module = None
     source = ev.reached.update_ratios or ev.main.update_ratios
     if source and strength:
-        pname = max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
+        pname = largest_update(ev)
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
+        owner = owning_group(ev, pname)
+        if owner is not None and owner.differs:
+            # the step's recorded LR is the first group's: quote the group that owns the parameter instead
+            lines = [line for line in lines if not line.startswith("learning rate ")]
+            lines.insert(0, f"learning rate {g(owner.lr)} in param group {owner.index} of {owner.count} "
+                            f"({owner.optimizer}), the group holding {pname}; the other group(s): "
+                            f"{', '.join(g(x) for x in owner.others)}")
         lines.insert(0, f"largest relative update: {pname} ({g(source[pname])})")
     return lines, module, strength
+
+
+def largest_update(ev: Evidence) -> str | None:
+    """The parameter with the largest relative update |dw|/|w| near the step (None: none measured)."""
+    source = ev.reached.update_ratios or ev.main.update_ratios
+    if not source:
+        return None
+    return max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
 
 
 @rule
