@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import example
+from conftest import assert_one_story, example
 from nanprobe.diagnose import diagnose_target
 from nanprobe.entry import load_target
 
@@ -18,6 +18,7 @@ def test_fused_and_foreach_update_names_the_parameter_that_went_nan(optimizer):
     loaded = load_target(example("adamw_fused_eps_zero.py") + ":target", config={"optimizer": optimizer})
     report = diagnose_target(loaded)
     top, origin = report.top, report.origin
+    assert_one_story(report)
     assert report.step == 0
     # head.weight is the first tensor of every list the fused/foreach op takes; embed.weight went NaN
     assert (origin.phase.value, origin.parameter, origin.module) == ("update", "embed.weight", "embed")
@@ -32,6 +33,7 @@ def test_fused_and_foreach_update_names_the_parameter_that_went_nan(optimizer):
 def test_std_over_a_single_sample_is_a_div_with_a_data_finding():
     report = diagnose_target(load_target(example("std_single_sample_batch.py") + ":target"))
     top = report.top
+    assert_one_story(report)
     assert report.step == 4   # 65 rows in batches of 16: the fifth batch holds one row
     assert (report.origin.phase.value, report.origin.module, report.origin.op) == ("forward", "whiten",
                                                                                    "aten.std.correction")
@@ -46,6 +48,7 @@ def test_layernorm_fed_an_extreme_row_is_an_overflow_not_a_division():
     pytest.importorskip("transformers")
     report = diagnose_target(load_target(example("gpt2_layernorm_extreme_row.py") + ":target"))
     top = report.top
+    assert_one_story(report)
     assert report.step == 2
     assert (top.cause.value, top.phase.value, top.module) == ("overflow", "forward", "transformer.h.0.ln_1")
     assert report.origin.samples == (1,)
@@ -56,6 +59,7 @@ def test_layernorm_fed_an_extreme_row_is_an_overflow_not_a_division():
 def test_lr_evidence_reads_the_param_group_that_owns_the_module():
     report = diagnose_target(load_target(example("lora_adapter_lr_typo.py") + ":target"))
     top = report.top
+    assert_one_story(report)
     assert (top.cause.value, top.phase.value, top.module) == ("lr_spike", "update", "body.0")
     lines = "\n".join(top.evidence)
     assert "learning rate 1e+03 in param group 1 of 2" in lines and "largest relative update: body.0.lora_" in lines

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import example
+from conftest import assert_one_story, example
 from nanprobe import diagnose
 from nanprobe.cli import app
 from nanprobe.config import load_config
@@ -18,7 +18,7 @@ from nanprobe.report import Status
 # file, first bad step, top cause, phase, module  (None: healthy, exit 0, no finding)
 TABLE = [
     ("data_nan_features.py", 3, "data", "input", None),
-    ("data_all_ignored.py", 2, "data", "input", None),
+    ("data_all_ignored.py", 2, "data", "forward", "(loss_fn)"),
     ("fp16_attention_overflow.py", 9, "overflow", "forward", "blocks.0.attn"),
     ("fp16_padding_mask_overflow.py", 3, "overflow", "forward", "blocks.0.attn"),
     ("fp16_underflow_log.py", 2, "underflow", "forward", "head"),
@@ -59,6 +59,7 @@ def test_example_diagnosis(name, step, cause, phase, module, device):
     assert report.exit_code == 1
     top = report.top
     assert top is not None, report.to_json()
+    assert_one_story(report)
     assert top.cause.value == cause, [(f.cause.value, f.confidence, f.evidence) for f in report.findings]
     if phase is not None:
         assert top.phase.value == phase

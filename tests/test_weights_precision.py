@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import asset, example
+from conftest import assert_one_story, asset, example
 from nanprobe import diagnose
 from nanprobe.compare import compare_precisions
 from nanprobe.config import load_config
@@ -46,6 +46,7 @@ def test_pure_bf16_run_is_reported_as_bf16_and_fp32_is_finite():
     assert report.step == _plain_first_bad(PURE)
     assert report.precision == "bf16" and "no autocast" in report.autocast_policy
     top = report.top
+    assert_one_story(report)
     assert (top.cause.value, top.phase.value, top.module) == ("sqrt", "forward", "standardize"), report.to_json()
     assert (report.origin.phase.value, report.origin.module) == ("forward", "standardize")
     assert report.precisions["bf16"].finite is False

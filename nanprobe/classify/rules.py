@@ -33,6 +33,8 @@ def data_rule(ev: Evidence) -> list[Finding]:
         lines.append("it surfaces as " + origin_line(ev.origin))
     elif ev.reached.error is not None:
         lines.append(f"the step raised before any NaN existed: {ev.reached.error.message}")
+    if ev.origin is not None:   # one story: the batch is why, the origin is where (its phase, module, op)
+        return [finding(Cause.DATA, conf, ev.origin, lines)]
     return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT, module=None, op=None)]
 
 
