@@ -57,6 +57,15 @@ class Target:
             self.precision = self.weights   # no autocast: the run computes in its weights' dtype
 
     @property
+    def masters(self) -> list[tuple[str, torch.Tensor]]:
+        """Tensors the optimizers step that are not the model's parameters (float32 master copies of
+        low-precision weights), named ``<optimizer>.param_groups[g][i]``: state like the weights."""
+        own = {id(p) for p in self.model.parameters()}
+        return [(f"{name}.param_groups[{gi}][{i}]", p) for name, opt in self.optimizers
+                for gi, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
+                if id(p) not in own]
+
+    @property
     def pure(self) -> bool:
         """The run computes in its weights' own low dtype, with no autocast (``model.to(torch.bfloat16)``)."""
         return self.weights is not None and self.weights is self.precision
@@ -164,9 +173,10 @@ def validate(obj: Any, where: str) -> Target:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TargetError(f"'{name}' is {type(opt).__name__}, not a torch.optim.Optimizer", where,
                               "Pass the optimizer(s) over the model's parameters, or leave it out")
-        foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in params)
-        if foreign:
-            raise TargetError(f"'{name}' holds {foreign} tensor(s) that are not parameters of 'model'", where,
+        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in params]
+        if foreign and not mirrors(model, foreign):
+            raise TargetError(f"'{name}' holds {len(foreign)} tensor(s) that are not parameters of 'model' (nor "
+                              "master copies of them: same shape, equal values)", where,
                               "Build the optimizer from parameters of the returned model (several networks: "
                               "put them in one nn.ModuleDict and return that)")
     scheds = named(values.get("scheduler"), "scheduler")
@@ -226,6 +236,23 @@ def validate(obj: Any, where: str) -> Target:
     values["grad_scaler"] = scaler
     values.setdefault("ignore_index", -100)
     return Target(**values)
+
+
+def mirrors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are master copies of the model's parameters (fp16/bf16 weights with float32
+    copies the optimizer steps: the classic mixed-precision recipe): each has the shape of a distinct
+    parameter and equals it once cast to the parameter's dtype."""
+    free = [p for p in model.parameters()]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return False
+        with torch.no_grad():
+            match = next((i for i, p in enumerate(free) if p.shape == t.shape and p.device == t.device
+                          and torch.equal(t.to(p.dtype), p)), None)
+        if match is None:
+            return False
+        free.pop(match)
+    return True
 
 
 def check_loss(loss: Any, where: str) -> torch.Tensor:

@@ -100,3 +100,65 @@ def test_reruns_cast_weights_state_and_batch_and_put_them_back_bitwise(precision
     assert own.record.loss != t.record.loss   # the rerun really computed in another dtype
     assert own.record.loss == pytest.approx(t.record.loss, rel=2e-2)
     _assert_same(target, before)
+
+
+MASTER = "fp16_master_weights.py"
+
+
+def _master_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fp16_master_weights_t", example(MASTER))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fp16_weights_with_fp32_master_copies_replay_bitwise():
+    mod = _master_module()
+    model, masters, opt = mod.make()               # the plain loop, 10 steps
+    for batch in mod.make_batches()[:10]:
+        mod.train_step(model, masters, opt, batch)
+    loaded = load_target(example(MASTER) + ":target")
+    target = loaded.target
+    assert target.precision is Precision.FP16 and len(target.masters) == len(list(target.model.parameters()))
+    reach(target, at=10, precision=target.precision, cfg=load_config().replay, where=loaded.where)
+    for a, b in zip(model.parameters(), target.model.parameters()):
+        assert a.dtype == b.dtype == torch.float16 and torch.equal(a, b)
+    for a, (_, b) in zip(masters, target.masters):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    state = opt.state_dict()["state"]
+    for i, entry in target.optimizer.state_dict()["state"].items():
+        assert all(torch.equal(v, state[i][k]) for k, v in entry.items())
+
+
+def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path):
+    from nanprobe.guard import Guard
+    mod = _master_module()
+    expected = mod.first_bad_step()
+    report = diagnose(example(MASTER) + ":target")
+    assert_one_story(report)
+    assert (report.step, report.precision) == (expected, "fp16")
+    top = report.top
+    assert (top.cause.value, top.phase.value, top.module) == ("overflow", "forward", "attn")
+    assert report.fidelity.reproduced is True and report.precisions["fp32"].finite is True
+    # the Guard in the user's own loop: the bad step is skipped, its capsule replays bitwise
+    model, masters, opt = mod.make()
+    guard = Guard(model, opt, capsule_dir=tmp_path, entry=example(MASTER) + ":target")
+    applied = []
+    for batch in mod.make_batches()[:expected + 1]:
+        with guard.step(batch):
+            loss = torch.nn.functional.cross_entropy(model(batch["x"]).float(), batch["y"])
+            model.zero_grad(set_to_none=True)
+            guard.backward(loss * mod.LOSS_SCALE)
+            for p, m in zip(model.parameters(), masters):
+                m.grad = p.grad.float() / mod.LOSS_SCALE
+        applied.append(guard.optimizer_step())
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+    assert applied == [True] * expected + [False]
+    capsule = next(tmp_path.glob("*.capsule.pt"))
+    again = diagnose(example(MASTER) + ":target", capsule=str(capsule))
+    assert (again.step, again.top.cause.value, again.top.module) == (expected, "overflow", "attn")
+    assert again.fidelity.reproduced is True and again.fidelity.tolerance == "bitwise"

@@ -54,6 +54,15 @@ def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
                 raise CapsuleError(f"state of {name} does not match the entrypoint's: "
                                    f"{str(exc).splitlines()[0][:160]}", cap.path,
                                    "Return the same optimizer type and parameter groups as the guarded run") from None
+    masters, live_masters = data.get("masters") or [], target.masters
+    if len(masters) != len(live_masters) or any(not isinstance(t, torch.Tensor) or t.shape != m.shape
+                                                 for t, (_, m) in zip(masters, live_masters)):
+        raise CapsuleError(f"capsule holds {len(masters)} master copies of the weights, the entrypoint's optimizers "
+                           f"step {len(live_masters)} tensor(s) outside the model", cap.path,
+                           "Return the optimizer over the same master copies as the guarded run")
+    with torch.no_grad():
+        for t, (_, m) in zip(masters, live_masters):
+            m.copy_(t)
     for (name, sched), state in zip(target.schedulers, data["schedulers"]):
         if state is None:
             continue
