@@ -9,6 +9,7 @@ values and sample indices are computed only for leaves that have a problem.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -36,7 +37,7 @@ OTHER = "other"            # complex, sparse, ...: skipped
 
 ERROR_CODES = ("nonfinite", "empty", "beyond_range", "label_negative", "label_out_of_range", "all_ignored",
                "masked_row")
-WARNING_CODES = ("outlier", "constant")
+WARNING_CODES = ("outlier", "constant", "masked_row_sdpa")   # masked_row_sdpa: a row SDPA here returns 0 for
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +62,60 @@ class DataProblem:
         if self.micro is not None:
             out["micro"] = self.micro
         return out
+
+
+PAD_KEYS = re.compile(r"^(pad|pads|padding|is_pad|is_padding|padded)$", re.I)
+
+
+def is_pad_key(path: str) -> bool:
+    """A padding mask named without "mask" (``batch["pad"]``: True = padding)."""
+    return bool(PAD_KEYS.search(key_name(path)))
+
+
+@functools.cache
+def sdpa_masked_row() -> dict[str, dict[str, str]]:
+    """What ``scaled_dot_product_attention`` on this torch returns for a query row whose mask attends to
+    nothing, measured once per process on CPU for each backend that runs there: {mask kind ("bool",
+    "float" -inf row): {backend: "zero" (output and gradient 0) | "nan" | "finite" | "unavailable"}}."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 3, 4, generator=g) for _ in range(3))
+    masks = {"bool": torch.ones(1, 1, 3, 3, dtype=torch.bool), "float": torch.zeros(1, 1, 3, 3)}
+    masks["bool"][..., 1, :] = False
+    masks["float"][..., 1, :] = -math.inf
+    out: dict[str, dict[str, str]] = {}
+    for kind, mask in masks.items():
+        out[kind] = {}
+        for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+            name = backend.name.lower()
+            try:
+                with sdpa_kernel(backend), torch.enable_grad():
+                    qq = q.clone().requires_grad_()
+                    o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask)
+                    o.sum().backward()
+            except RuntimeError:
+                out[kind][name] = "unavailable"
+                continue
+            row, grad = o[0, 0, 1].detach(), qq.grad[0, 0, 1]
+            if not (bool(torch.isfinite(row).all()) and bool(torch.isfinite(grad).all())):
+                out[kind][name] = "nan"
+            else:
+                out[kind][name] = "zero" if not bool(row.any()) and not bool(grad.any()) else "finite"
+    return out
+
+
+def _masked_row_verdict(kind: str) -> tuple[str, str]:
+    """(level, what a fully masked row gives) from what SDPA on this torch measured (sdpa_masked_row)."""
+    seen = {b: r for b, r in sdpa_masked_row()[kind].items() if r != "unavailable"}
+    ver = torch.__version__.split("+")[0]
+    if seen and all(r == "zero" for r in seen.values()):
+        return "warning", (f"F.scaled_dot_product_attention on this torch ({ver}, cpu: {', '.join(seen)} measured) "
+                           "returns 0 for such a row, gradient 0; a hand-written softmax(q k^T + mask) gives 0/0 = NaN")
+    bad = [b for b, r in seen.items() if r == "nan"]
+    return "error", (f"attention over nothing is 0/0 = NaN (F.scaled_dot_product_attention on this torch ({ver}) "
+                     f"gives NaN with the {', '.join(bad)} backend)" if bad else "attention over nothing is 0/0 = NaN")
 
 
 def is_label_key(path: str) -> bool:
@@ -114,6 +169,8 @@ def _role(path: str, t: torch.Tensor, tuple_label: bool) -> str:
 def _find_role(path: str, t: torch.Tensor, tuple_label: bool) -> str:
     if t.is_sparse or t.is_complex() or t.layout != torch.strided:
         return OTHER
+    if t.dim() >= 2 and not t.is_floating_point() and is_pad_key(path):
+        return PAD_MASK
     name_mask = is_mask_key(path)
     if t.is_floating_point():
         return FLOAT_MASK if name_mask and t.dim() >= 2 and not is_loss_mask_key(path) else FLOAT
@@ -481,12 +538,13 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
     if x.numel() == 0:
         return out
 
-    def add(code: str, bad: torch.Tensor, message, value: float | None = None, count: int | None = None) -> None:
+    def add(code: str, bad: torch.Tensor, message, value: float | None = None, count: int | None = None,
+            level: str = "error") -> None:
         c = int(bad.sum()) if count is None else count
         example = value
-        if example is None and code != "masked_row":
+        if example is None and not code.startswith("masked_row"):
             example = float(x[bad].flatten()[0]) if x.dim() else float(x)
-        out.append(DataProblem(code=code, level="error", step=step, key=key, count=c,
+        out.append(DataProblem(code=code, level=level, step=step, key=key, count=c,
                                samples=sample_rows(leaf, bad, max_examples), value=example,
                                message=message(c, example)))
 
@@ -511,9 +569,10 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
         if st.masked or (range_max is not None and st.row_low < -range_max):
             low = range_max is not None and not st.masked
             rows = x.amax(-1) < -range_max if low else x.amax(-1) == -math.inf
-            add("masked_row", rows, lambda c, e: f"{key} masks out every position of {c} row(s) "
+            level, what = ("error", "attention over nothing is 0/0 = NaN") if low else _masked_row_verdict("float")
+            add("masked_row" if level == "error" else "masked_row_sdpa", rows, lambda c, e: f"{key} masks out every position of {c} row(s) "
                 + (f"(all below -{range_max:g}: -inf once cast to the training precision)" if low else "(all -inf)")
-                + ": attention over nothing is 0/0 = NaN")
+                + f": {what}", level=level)
     elif role == LABEL:
         if st.maybe_all_ignored:
             st.ignored = int((x == ignore_index).count_nonzero())
@@ -543,8 +602,9 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
         if st.masked:
             m = x.bool()
             rows = m.all(-1) if role == PAD_MASK else ~m.any(-1)
-            add("masked_row", rows, lambda c, e: f"{key} masks out every position of {c} row(s): attention over "
-                                                  "nothing is 0/0 = NaN")
+            level, what = _masked_row_verdict("bool")
+            add("masked_row" if level == "error" else "masked_row_sdpa", rows,
+                lambda c, e: f"{key} masks out every position of {c} row(s): {what}", level=level)
     elif role == LOSS_MASK:
         if st.ignored == st.n:
             out.append(DataProblem(code="all_ignored", level="error", step=step, key=key, count=st.n, samples=(),

@@ -26,7 +26,10 @@ from .state import borrows_globals
 from .target import Target
 
 
-def autocast_policy(device: torch.device, precision: Precision, policy: str = "native") -> str | None:
+def autocast_policy(device: torch.device, precision: Precision, policy: str = "native",
+                    pure: bool = False) -> str | None:
+    if pure:
+        return f"none: the weights themselves are {precision.value} (no autocast)"
     if not precision.autocast:
         return None
     if policy == "cuda" and device.type == "cpu":
@@ -84,7 +87,7 @@ def _healthy(loaded: Loaded, done: NoBadStep, prec: Precision, device: torch.dev
                   device=describe_device(device), precision=prec.value,
                   history=tuple(done.history[-cfg.replay.history:]),
                   notes=(f"no non-finite value or spike in {done.steps} steps{ran}",),
-                  autocast_policy=autocast_policy(device, prec, policy), reached_by="replay from step 0")
+                  autocast_policy=autocast_policy(device, prec, policy, loaded.target.pure), reached_by="replay from step 0")
 
 
 def check_data(reached: Reached, target: Target, prec: Precision, cfg: Config) -> list[DataProblem]:
@@ -294,7 +297,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   origin=None if skip_note else origin_of(main.origin or _entered_origin(main, findings), prec.value),
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
                   context=context, history=history,
-                  notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),
+                  notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy,
+                                                                  target.pure and prec is target.weights),
                   reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})

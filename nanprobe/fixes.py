@@ -15,8 +15,8 @@ from typing import Any
 
 from .classify import Evidence, explained_by, op_base, semantic_name
 from .classify.raised import LABEL_OUT_OF_RANGE
-from .classify.core import entered
-from .classify.rules import constant, lrs_seen, multiplier_above_one
+from .classify.core import entered, owning_group
+from .classify.rules import constant, largest_update, lrs_seen, multiplier_above_one
 from .instrument import LOSS_FN
 from .precision import Precision
 from .report import Cause, Finding, Fix, Phase, Status
@@ -129,6 +129,35 @@ def _embedding(f: Finding, ev: Evidence) -> Fix | None:
                     "model.embed = nn.Embedding(len(tokenizer), old.embedding_dim)\n"
                     "model.embed.weight.data[:old.num_embeddings] = old.weight.data",
                why="an id >= num_embeddings has no row; adding special tokens to the tokenizer does not add rows")
+
+
+@fix_for(Cause.DIV, Cause.DATA)
+def _unbiased_over_one(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "unbiased_over_one":
+        return None
+    return Fix(title="Never reduce std/var over a single sample: drop the short batch or use correction=0",
+               code="loader = DataLoader(dataset, batch_size=16, shuffle=True, drop_last=True)  # no batch of one\n"
+                    "# or, where a batch (or group) of one can occur:\n"
+                    "std = x.std(dim=0, correction=0)   # population std: 0 for one sample, not 0/0" + _src(ev),
+               why="the unbiased estimator divides by N - 1: over one sample that is 0/0 = NaN, and an eps added "
+                   "after std does not reach it")
+
+
+@fix_for(Cause.OVERFLOW, Cause.DIV)
+def _normalization_input(f: Finding, ev: Evidence) -> Fix | None:
+    if _kind(ev) != "normalization":
+        return None
+    return Fix(title=f"Find the extreme value that reaches {_mod(f)} (a larger eps cannot help)",
+               code="# weights (e.g. embedding rows) whose square overflows float32 (|x| > 1.8e19)\n"
+                    "for name, p in model.named_parameters():\n"
+                    "    rows = (p.detach().abs() > 1e19).reshape(p.shape[0], -1).any(1).nonzero().flatten()\n"
+                    "    if len(rows):\n"
+                    "        print(name, rows[:10].tolist())\n"
+                    "# e.g. re-initialise such embedding rows from the trained ones:\n"
+                    "# emb.weight.data[rows] = emb.weight.data[good].mean(0)" + _src(ev),
+               why="the normalization squares its inputs for the variance: a value beyond ~1.8e19 makes it inf and "
+                   "the output NaN whatever eps is; the value itself (a corrupt row, a feature far out of range) is "
+                   "the bug")
 
 
 @fix_for(Cause.DOMAIN)
@@ -279,6 +308,15 @@ def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
                         f"\n# your LR reached {max(lrs):.3g}, {max(lrs) / max(ev.reached.scheduler_base_lrs):.3g}x "
                         "the base LR",
                    why="LambdaLR multiplies the base LR by what the lambda returns; above 1 the LR grows with it")
+    owner = owning_group(ev, largest_update(ev))
+    if owner is not None and owner.differs:
+        lr = owner.lr
+        return Fix(title=f"Lower the learning rate of param group {owner.index} (it is {lr:.3g}; the other "
+                         f"group(s) use {', '.join(f'{x:.3g}' for x in owner.others)})",
+                   code=f"{owner.optimizer}.param_groups[{owner.index}][\"lr\"] = {lr / 100:.3g}  # was {lr:.3g}\n"
+                        "# or where you build it: {\"params\": ..., \"lr\": ...} with the intended value (1e3 vs 1e-3?)",
+                   why="each param group steps with its own LR; the group holding the parameters that blew up moves "
+                       "them by about its LR per step (Adam), whatever the first group's LR is")
     if constant(lrs):
         lr = lrs[-1]
         return Fix(title=f"Lower the learning rate (it is {lr:.3g}, constant) and warm up to it",

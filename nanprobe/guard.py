@@ -292,9 +292,16 @@ class Guard:
         return s if s is not None and s.is_enabled() else None
 
     def _params(self) -> list[torch.Tensor]:
-        if self.optimizers:
-            return [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-        return [p for p in self.model.parameters() if p.grad is not None]
+        """The parameters with a gradient in the order of ``model.parameters()`` (what the user's own
+        ``clip_grad_norm_(model.parameters(), ...)`` sums: with several param groups their order differs,
+        and so would the global norm in its last bits), then optimizer tensors outside the model."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not self.optimizers:
+            return params
+        stepped = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        ids, in_model = {id(p) for p in stepped}, {id(p) for p in self.model.parameters()}
+        return [p for p in params if id(p) in ids] + [p for p in stepped if p.grad is not None
+                                                       and id(p) not in in_model]
 
     def _unscale(self, scaler: torch.amp.GradScaler) -> None:
         for opt in self.optimizers:

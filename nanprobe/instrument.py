@@ -626,7 +626,10 @@ class OriginTracker:
             node = torch._C._current_autograd_node()
             node_seq = node._sequence_nr() - self.base_seq if node is not None else None
         elif self.phase is Phase.UPDATE:
-            parameter, update_info = self._update_context(mutated + outs + inputs)
+            # a foreach or fused op updates many parameters: the one named is the one whose tensor went
+            # non-finite (its index in the op's tensor lists), not the list's first
+            parameter, update_info = self._update_context(_same_index(bad_out, outs, (args, kwargs))
+                                                          + mutated + outs + inputs)
             if parameter is not None:
                 module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
         if self.phase is Phase.FORWARD and not entered and not any(ev.phase is Phase.FORWARD for ev in trace.events):
@@ -676,6 +679,29 @@ class OriginTracker:
                 return None
             return LOSS_FN if node is not None else None  # created outside the model's modules
         return None
+
+
+def _same_index(bad: torch.Tensor, outs: list[torch.Tensor], args: Any) -> list[torch.Tensor]:
+    """``bad`` and, where it is the i-th tensor of a foreach/fused op's tensor list, the i-th tensor of
+    every tensor list among the op's arguments (its parameter, gradient and optimizer state)."""
+    found = [bad]
+    lists = _tensor_lists(args)
+    for lst in [outs, *lists]:
+        i = next((k for k, t in enumerate(lst) if t is bad), None)
+        if i is None:
+            continue
+        found += [other[i] for other in lists if len(other) == len(lst) and other[i] is not bad]
+        break
+    return found
+
+
+def _tensor_lists(args: Any) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    for a in tree_flatten(args, is_leaf=lambda x: isinstance(x, (list, tuple)) and bool(x)
+                          and all(isinstance(t, torch.Tensor) for t in x))[0]:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+            out.append(list(a))
+    return out
 
 
 def _next_sequence_nr() -> int:

@@ -32,6 +32,20 @@ class Precision(str, Enum):
         return self.autocast
 
 
+def weights_precision(model: torch.nn.Module) -> Precision | None:
+    """The low precision the model's weights are stored in (pure bf16/fp16 training: ``model.to(
+    torch.bfloat16)``, no autocast, the optimizer over those weights), or None for float32/float64
+    weights. The dtype holding most parameter elements decides (a few float32 norms kept aside do not)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if not sizes:
+        return None
+    dtype = max(sizes, key=lambda d: sizes[d])
+    return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype)
+
+
 def parse_precision(value: str | Precision | None, default: Precision = Precision.FP32) -> Precision:
     if value is None:
         return default
@@ -59,8 +73,8 @@ FP16 = limits(torch.float16)
 BF16 = limits(torch.bfloat16)
 
 
-def autocast_context(precision: Precision, device_type: str):
-    if precision.autocast:
+def autocast_context(precision: Precision, device_type: str, enabled: bool = True):
+    if precision.autocast and enabled:
         return torch.autocast(device_type=device_type, dtype=precision.dtype)
     return contextlib.nullcontext()
 
@@ -177,6 +191,28 @@ def emulate_fp16_matmuls():
     """A context: CPU fp16 matmuls, convolutions and attention as fp16 inputs times float32 arithmetic,
     rounded to fp16 (see _EmulateFp16). Enter it before any other dispatch mode."""
     return _EmulateFp16()
+
+
+class _RetargetCasts(TorchDispatchMode):
+    """Every ``dtype=`` the user's code asks for in ``old`` (``x.to(torch.bfloat16)``, ``.half()``,
+    ``torch.zeros(..., dtype=torch.bfloat16)``) becomes ``new``: a rerun of a pure low-precision run in
+    another precision keeps the user's casts to the weights' dtype consistent with the cast weights.
+    Entered before nanprobe's own modes, which still see the op as the user called it."""
+
+    def __init__(self, old: torch.dtype, new: torch.dtype):
+        super().__init__()
+        self.old, self.new = old, new
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("dtype") is self.old:
+            kwargs = {**kwargs, "dtype": self.new}
+        return func(*args, **kwargs)
+
+
+def retarget_casts(old: torch.dtype, new: torch.dtype):
+    """A context: the user's casts to ``old`` produce ``new`` (see _RetargetCasts)."""
+    return _RetargetCasts(old, new) if old != new else contextlib.nullcontext()
 
 
 def policy_context(policy: str, precision: Precision, device_type: str):

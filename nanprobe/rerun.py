@@ -13,7 +13,7 @@ import torch
 from .batch import map_tensors
 from .errors import UserCodeError
 from .instrument import Event, OriginTracker, Probe, Trace
-from .precision import Precision, device_of, emulate_fp16_matmuls
+from .precision import Precision, device_of, emulate_fp16_matmuls, retarget_casts
 from .replay import Reached, measure
 from .report import Phase, StepRecord
 from .state import Snapshot
@@ -71,26 +71,27 @@ def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
 
 
 @contextlib.contextmanager
-def _float64(loop: Loop, snapshot: Snapshot, update: bool):
-    """Run the step in float64: parameters, buffers and gradients widened in place (same objects),
-    default dtype float64. The optimizer state follows them only when the step runs its update.
-    On exit, errors too, every tensor gets its original dtype back; a step that ran no update left
-    the values exact (float32 -> float64 -> float32 is lossless), so the state is marked restored."""
+def _cast_weights(loop: Loop, snapshot: Snapshot, update: bool, dtype: torch.dtype):
+    """Run the step with the weights in ``dtype``: parameters, buffers and gradients cast in place (same
+    objects); for float64 the default dtype too. The optimizer state follows them only when the step runs
+    its update. On exit, errors too, every tensor gets its original storage back (untouched by the step:
+    the cast made new ones), the optimizer state its dtypes, so the state is exactly the one before."""
     from .state import _versions
 
     model = loop.target.model
     # each tensor's own data (its storage) is kept and put back: views the user holds keep tracking it
     saved = [(t, t.data) for t in [*model.parameters(), *model.buffers()]
-             if t.is_floating_point() and t.dtype != torch.float64]
+             if t.is_floating_point() and t.dtype != dtype]
     default = torch.get_default_dtype()
 
-    snapshot.restore(loop.objects, partial_ok=True)   # the exact values, before widening them
+    snapshot.restore(loop.objects, partial_ok=True)   # the exact values, before casting them
     try:
         with torch.no_grad():
             for t, data in saved:
                 t.grad = None if t.is_leaf else t.grad
-                t.data = data.to(torch.float64)
-        torch.set_default_dtype(torch.float64)
+                t.data = data.to(dtype)
+        if dtype is torch.float64:
+            torch.set_default_dtype(torch.float64)
         if update:   # the optimizer state follows the parameters' dtype (torch's own rule)
             snapshot.restore(loop.objects)
         yield
@@ -100,11 +101,22 @@ def _float64(loop: Loop, snapshot: Snapshot, update: bool):
             for t, data in saved:
                 if t.is_leaf:
                     t.grad = None
-                t.data = data          # the original storage, untouched by the float64 step
+                t.data = data          # the original storage, untouched by the cast step
         if update:
             snapshot.restore(loop.objects)   # the optimizer state back to its dtypes
         else:
             snapshot.clean = _versions(loop.objects)
+
+
+def _weights_dtype(loop: Loop, precision: Precision) -> torch.dtype | None:
+    """The dtype a rerun in ``precision`` casts the weights to: float64 for fp64; any other precision
+    of a pure low-precision run (no autocast there to rewrite: the weights' dtype is the precision)."""
+    if precision is Precision.FP64:
+        return torch.float64
+    target = loop.target
+    if target.pure and precision is not target.weights:
+        return precision.dtype
+    return None
 
 
 def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | None):
@@ -206,9 +218,12 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
         with contextlib.ExitStack() as stack:
             if emulate_fp16 and precision is Precision.FP16 and loop.device_type == "cpu":
                 stack.enter_context(emulate_fp16_matmuls())   # outermost: the tracker above sees the user's ops
-            if precision is Precision.FP64:  # the user's objects get their dtypes back when the stack exits
-                stack.enter_context(_float64(loop, snapshot, update=not skip_update))
-                feed = _Float64Feed(feed)
+            cast = _weights_dtype(loop, precision)
+            if cast is not None:  # the user's objects get their dtypes back when the stack exits
+                if loop.target.pure:   # the user's own casts to the weights' dtype follow the weights
+                    stack.enter_context(retarget_casts(loop.target.weights.dtype, cast))
+                stack.enter_context(_cast_weights(loop, snapshot, update=not skip_update, dtype=cast))
+                feed = _CastFeed(feed, cast, None if cast is torch.float64 else loop.target.weights.dtype)
             if source_of_node is not None:  # anomaly mode records each node's forward stack
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             if fp32_module:
@@ -233,16 +248,17 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
         return StepTrace(precision=precision, record=None, trace=tracker.trace if tracker else None,
                          error=exc.message, exc=exc)
     finally:
-        if restore_after or (precision is Precision.FP64 and not skip_update):
+        if restore_after or (_weights_dtype(loop, precision) is not None and not skip_update):
             snapshot.restore(loop.objects, partial_ok=True)
 
 
-class _Float64Feed:
-    """The recorded micro-batches with floating tensors widened to float64."""
+class _CastFeed:
+    """The recorded micro-batches with floating tensors (of dtype ``only``; all where None) cast to ``dtype``."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, dtype: torch.dtype, only: torch.dtype | None):
         self.inner = inner
         self.step = inner.step
+        self.dtype, self.only = dtype, only
 
     @property
     def on_micro(self):
@@ -254,7 +270,10 @@ class _Float64Feed:
 
     def get(self, j: int):
         item = self.inner.get(j)
-        return None if item is None else map_tensors(item, lambda t: t.double() if t.is_floating_point() else t)
+        if item is None:
+            return None
+        return map_tensors(item, lambda t: t.to(self.dtype) if t.is_floating_point()
+                           and (self.only is None or t.dtype == self.only) else t)
 
     def finish(self) -> None:
         self.inner.finish()

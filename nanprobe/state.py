@@ -245,18 +245,32 @@ class _Held:
             setattr(self.holder, self.key, v)
 
 
-def capture_user_state(fns: Iterable[Any]) -> list[_Held]:
+def capture_user_state(fns: Iterable[Any], owned: Iterable[torch.Tensor] = ()) -> list[_Held]:
+    """The state the step functions keep between calls. ``owned``: tensors the snapshot already holds
+    (the weights, their master copies): a closure variable holding only those is the same objects, not
+    state of its own (a capsule must not replace the optimizer's master copies with copies of them)."""
     held: list[_Held] = []
+    mine = {id(t) for t in owned}
     for fn in fns:
         for kind, holder, key in _callable_holders(fn):
             try:
                 raw = holder.cell_contents if kind == "cell" else getattr(holder, key)
             except (ValueError, AttributeError):
                 continue
+            if mine and _only_owned(raw, mine):
+                continue
             v = _value(raw)
             if v is not _NOT_STATE:
                 held.append(_Held(kind, holder, key, v))
     return held
+
+
+def _only_owned(value: Any, owned: set[int]) -> bool:
+    if isinstance(value, torch.Tensor):
+        return id(value) in owned
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, torch.Tensor) and id(v) in owned for v in value)
+    return False
 
 
 # -- the snapshot --------------------------------------------------------------------------------------
@@ -370,7 +384,7 @@ def _versions(objects: Objects) -> list[tuple[torch.Tensor, int, int, torch.dtyp
     """Parameters and optimizer state tensors with their version counter, data pointer and dtype:
     equal lists mean nothing wrote to them (an in-place write bumps the version)."""
     out = []
-    for p in objects.model.parameters():
+    for p in [*objects.model.parameters(), *(m for _, m in objects.masters)]:
         out.append((p, p._version, p.data_ptr(), p.dtype))
     for _, opt in objects.optimizers:
         for st in opt.state.values():
@@ -470,6 +484,8 @@ class Snapshot:
                 _restore_groups_only(opt, layout)
             for p in objects.model.parameters():
                 p.grad = None
+            for _, m in objects.masters:
+                m.grad = None
         for (_, sched), saved in zip(objects.schedulers, self.schedulers):
             if saved is not None:
                 sched.load_state_dict(copy.deepcopy(saved))
@@ -541,6 +557,7 @@ class Objects:
     fns: tuple[Any, ...]                 # the step functions whose closure state is carried
     own_scalers: list[tuple[str, torch.amp.GradScaler]] = field(default_factory=list)
     attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # module tensor attributes (found lazily)
+    masters: list[tuple[str, torch.Tensor]] = field(default_factory=list)   # optimizer tensors outside the model
     storage: StoragePolicy = field(default_factory=StoragePolicy)
 
     def scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
@@ -552,6 +569,7 @@ class Objects:
     def _tensors(self) -> tuple[list[tuple[str, torch.Tensor]], list[list[tuple[int, Any, torch.Tensor]]]]:
         named = [(n, p) for n, p in self.model.named_parameters()]
         named += [(n, b) for n, b in self.model.named_buffers()]
+        named += self.masters   # float32 master copies of the weights: saved and restored like them
         return named, [_state_tensors(o) for _, o in self.optimizers]
 
     def take(self, rng: dict[str, Any] | None = None, reuse: Snapshot | None = None) -> Snapshot:
@@ -597,7 +615,7 @@ class Objects:
             threads=torch.get_num_threads(),
             flags=[(m, m.training) for m in self.model.modules()],
             attrs=[(m, name, _value(getattr(m, name, None)), qual) for m, name, qual in self.attrs],
-            user=capture_user_state(self.fns),
+            user=capture_user_state(self.fns, [t for _, t in named]),
             store=store,
         )
 
@@ -614,7 +632,8 @@ def objects_of(target: Any, own_scalers: list[tuple[str, torch.amp.GradScaler]] 
     """The Objects view of a :class:`nanprobe.target.Target`."""
     fns = tuple(f for f in (target.step_fn, target.loss_fn) if f is not None)
     return Objects(model=target.model, optimizers=target.optimizers, schedulers=target.schedulers,
-                   user_scalers=target.user_scalers, fns=fns, own_scalers=list(own_scalers or []))
+                   user_scalers=target.user_scalers, fns=fns, own_scalers=list(own_scalers or []),
+                   masters=target.masters)
 
 
 def apply_carried(carried: dict[str, Any], objects: Objects, notes: list[str]) -> None:

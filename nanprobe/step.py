@@ -203,8 +203,10 @@ def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         if batch is None:
             break
         phase(Phase.FORWARD)
+        # a pure low-precision run enters no autocast: its precision is its weights' dtype (a rerun in
+        # another precision casts the weights, see rerun._cast_weights)
         with numeric_mode(o.precision, device_type), policy_context(o.policy, o.precision, device_type), \
-                autocast_context(o.precision, device_type):
+                autocast_context(o.precision, device_type, enabled=not t.pure):
             loss = call_user("loss_fn(model, batch)", t.loss_fn, model, batch)
         loss = check_loss(loss, loop.where)
         phase(Phase.BACKWARD)
@@ -505,7 +507,7 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         found = dropped if found is None else found + dropped.to(found.device)
         scale = start.reshape(()) if scale is None else scale
     lr = watch.lr if watch.lr is not None else (current_lr(t.optimizers[0][1]) if t.optimizers else None)
-    applied = o.precision is loop.precision or watch.entered_autocast or not o.precision.autocast
+    applied = o.precision is loop.precision or watch.entered_autocast or not o.precision.autocast or t.pure
     return StepOutcome(loss=total, losses=losses if len(losses) > 1 else {}, grad_norm=grad_norm, lr=lr,
                        found_inf=found, scale=scale, micro=feed.count(), stepped=tuple(watch.stepped),
                        autocast=tuple(dict.fromkeys(watch.dtypes)), precision_applied=applied)

@@ -15,7 +15,7 @@ import torch
 
 from .batch import map_tensors
 from .errors import NanprobeError, TargetError, UsageError, UserCodeError, UserExit
-from .precision import Precision, parse_precision
+from .precision import Precision, parse_precision, weights_precision
 
 
 @dataclass(kw_only=True)
@@ -45,9 +45,30 @@ class Target:
     num_classes: int | None = None
     ignore_index: int = -100
 
+    # the low precision the weights themselves are stored in (pure bf16/fp16 training), else None;
+    # set from the model: a target whose weights are bf16 trains in bf16 without any autocast
+    weights: Precision | None = dataclasses.field(default=None, init=False)
+
     def __post_init__(self):
         self.precision = parse_precision(self.precision) if not isinstance(self.precision, Precision) \
             else self.precision
+        self.weights = weights_precision(self.model) if isinstance(self.model, torch.nn.Module) else None
+        if self.weights is not None and self.precision is Precision.FP32:
+            self.precision = self.weights   # no autocast: the run computes in its weights' dtype
+
+    @property
+    def masters(self) -> list[tuple[str, torch.Tensor]]:
+        """Tensors the optimizers step that are not the model's parameters (float32 master copies of
+        low-precision weights), named ``<optimizer>.param_groups[g][i]``: state like the weights."""
+        own = {id(p) for p in self.model.parameters()}
+        return [(f"{name}.param_groups[{gi}][{i}]", p) for name, opt in self.optimizers
+                for gi, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
+                if id(p) not in own]
+
+    @property
+    def pure(self) -> bool:
+        """The run computes in its weights' own low dtype, with no autocast (``model.to(torch.bfloat16)``)."""
+        return self.weights is not None and self.weights is self.precision
 
     # -- the user's objects as named lists (one object, a list or a dict) --------------------------
     @property
@@ -86,7 +107,7 @@ def named(obj: Any, base: str) -> list[tuple[str, Any]]:
     return [(base, obj)]
 
 
-KEYS = tuple(f.name for f in dataclasses.fields(Target))
+KEYS = tuple(f.name for f in dataclasses.fields(Target) if f.init)
 REQUIRED = ("model", "batches")
 _HINTS = {
     "model": 'a torch.nn.Module, e.g. "model": model',
@@ -152,9 +173,10 @@ def validate(obj: Any, where: str) -> Target:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TargetError(f"'{name}' is {type(opt).__name__}, not a torch.optim.Optimizer", where,
                               "Pass the optimizer(s) over the model's parameters, or leave it out")
-        foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in params)
-        if foreign:
-            raise TargetError(f"'{name}' holds {foreign} tensor(s) that are not parameters of 'model'", where,
+        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in params]
+        if foreign and not mirrors(model, foreign):
+            raise TargetError(f"'{name}' holds {len(foreign)} tensor(s) that are not parameters of 'model' (nor "
+                              "master copies of them: same shape, equal values)", where,
                               "Build the optimizer from parameters of the returned model (several networks: "
                               "put them in one nn.ModuleDict and return that)")
     scheds = named(values.get("scheduler"), "scheduler")
@@ -178,6 +200,8 @@ def validate(obj: Any, where: str) -> Target:
     if precision not in (Precision.FP32, Precision.BF16, Precision.FP16):
         raise TargetError(f"'precision' {precision.value!r} is not a training precision", where,
                           'Use "fp32", "bf16" or "fp16"')
+    if precision is Precision.FP32:   # fp32 (no autocast) over bf16/fp16 weights computes in their dtype
+        precision = weights_precision(model) or precision
     scaler = values.get("grad_scaler", False)
     if scaler is None:
         scaler = False
@@ -212,6 +236,23 @@ def validate(obj: Any, where: str) -> Target:
     values["grad_scaler"] = scaler
     values.setdefault("ignore_index", -100)
     return Target(**values)
+
+
+def mirrors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are master copies of the model's parameters (fp16/bf16 weights with float32
+    copies the optimizer steps: the classic mixed-precision recipe): each has the shape of a distinct
+    parameter and equals it once cast to the parameter's dtype."""
+    free = [p for p in model.parameters()]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return False
+        with torch.no_grad():
+            match = next((i for i, p in enumerate(free) if p.shape == t.shape and p.device == t.device
+                          and torch.equal(t.to(p.dtype), p)), None)
+        if match is None:
+            return False
+        free.pop(match)
+    return True
 
 
 def check_loss(loss: Any, where: str) -> torch.Tensor:

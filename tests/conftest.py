@@ -77,3 +77,21 @@ def plain_first_bad(name: str, steps: int) -> int | None:
         return step
     finally:
         sys.path.remove(str(EXAMPLES))
+def assert_one_story(report) -> None:
+    """One finding, one story (README, "Reading the report"): where the report has an origin, every finding
+    that names an op names that origin (phase, module, op; a backward origin's op is its autograd node), and a
+    ``data`` finding carries the origin's phase; a finding with phase ``input`` names no module and no op.
+    Checked on the JSON the user reads."""
+    data = report.to_json()
+    origin = data["origin"]
+    for f in data["findings"]:
+        where = (f["phase"], f["module"], f["op"])
+        if f["phase"] == "input":
+            assert (f["module"], f["op"]) == (None, None), where
+        if origin is None:
+            continue
+        at = (origin["phase"], origin["module"], origin.get("node") or origin["op"])
+        if f["op"] is not None:
+            assert where == at, (f["cause"], where, at)
+        if f["cause"] == "data":
+            assert f["phase"] == origin["phase"], (where, at)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import example, plain_first_bad
+from conftest import assert_one_story, example, plain_first_bad
 from nanprobe import diagnose
 from nanprobe.cli import app
 from nanprobe.config import load_config
@@ -19,7 +19,7 @@ PLAIN = "plain loop"   # the first bad step is the plain loop's, run in the test
 # file, first bad step, top cause, phase, module  (None: healthy, exit 0, no finding)
 TABLE = [
     ("data_nan_features.py", 3, "data", "input", None),
-    ("data_all_ignored.py", 2, "data", "input", None),
+    ("data_all_ignored.py", 2, "data", "forward", "(loss_fn)"),
     ("fp16_attention_overflow.py", PLAIN, "overflow", "forward", "blocks.0.attn"),
     ("fp16_padding_mask_overflow.py", 3, "overflow", "forward", "blocks.0.attn"),
     ("fp16_underflow_log.py", 2, "underflow", "forward", "head"),
@@ -29,9 +29,14 @@ TABLE = [
     ("gamma_pow_domain.py", 0, "domain", "forward", "gamma"),
     ("lr_schedule_spike.py", None, "lr_spike", "update", None),
     ("adam_eps_zero.py", 0, "div", "update", "embed"),
+    ("adamw_fused_eps_zero.py", 0, "div", "update", "embed"),
+    ("std_single_sample_batch.py", 4, "div", "forward", "whiten"),
+    ("lora_adapter_lr_typo.py", 1, "lr_spike", "update", "body.0"),
     ("exp_overflow_softplus.py", 3, "overflow", "forward", "encoder.act"),
     ("masked_log_where.py", 2, "log", "forward", "safe_log"),
     ("flaky_not_reproduced.py", 4, "not_reproduced", None, None),
+    # bf16 kernel-dependent step: checked against a plain loop in test_weights_precision.py
+    ("bf16_pure_variance_shortcut.py", None, "sqrt", "forward", "standardize"),
 ]
 HEALTHY = ["healthy_mlp.py", "healthy_transformer.py"]
 # fp16 overflow margins that depend on the kernels: |q.k| passes 65504 at step 9 or 10 with CPU kernels
@@ -55,6 +60,7 @@ def test_example_diagnosis(name, step, cause, phase, module, device):
     assert report.exit_code == 1
     top = report.top
     assert top is not None, report.to_json()
+    assert_one_story(report)
     assert top.cause.value == cause, [(f.cause.value, f.confidence, f.evidence) for f in report.findings]
     if phase is not None:
         assert top.phase.value == phase

@@ -328,3 +328,32 @@ def test_capsule_rng_is_the_state_at_step_start(tmp_path, uses_host_rng):
     torch_state, py_state, np_keys = starts[6]
     assert torch.equal(rng["torch"], torch_state)
     assert rng["python"][1] == list(py_state[1]) and rng["numpy"][1] == np_keys
+
+
+def test_clipping_with_two_param_groups_is_bitwise_the_users_own(tmp_path):
+    """Param groups listed in another order than model.parameters(): the Guard's global norm sums the
+    gradients in the user's order (clip_grad_norm_(model.parameters())), so the weights stay bitwise equal."""
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+        opt = torch.optim.SGD([{"params": m[4].parameters(), "lr": 0.05},
+                               {"params": [*m[0].parameters(), *m[2].parameters()], "lr": 0.1}])
+        return m, opt
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=g) * 10, torch.randint(0, 3, (16,), generator=g)) for _ in range(20)]
+    plain, plain_opt = make()
+    clipped = 0
+    for x, y in data:
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        clipped += float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)) > 0.5
+        plain_opt.step()
+    assert clipped >= 10   # the clipping really acts
+    model, opt = make()
+    guard = Guard(model, opt, capsule_dir=tmp_path)
+    for x, y in data:
+        with guard.step((x, y)):
+            opt.zero_grad()
+            guard.backward(F.cross_entropy(model(x), y))
+        assert guard.optimizer_step(max_grad_norm=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))

@@ -282,7 +282,9 @@ def test_transformers_sft_batch_with_every_label_ignored(tmp_path, caplog):
     assert (origin["phase"], origin["op"], origin["kind"]) == ("forward", "aten.div.Tensor", "nan")
     assert origin["source"].endswith(src) and origin["code"] == "loss = loss / num_items_in_batch"
     top = report["findings"][0]
-    assert (top["cause"], top["phase"]) == ("data", "input")
+    # one story: the labels are why (cause data), the division is where (the origin's phase, module, op)
+    assert (top["cause"], top["phase"], top["module"], top["op"]) == ("data", "forward", origin["module"],
+                                                                     "aten.div.Tensor")
     assert [(p["code"], p["key"]) for p in report["data_problems"]] == [("all_ignored", "batch['inputs']['labels']")]
     assert report["fidelity"]["reproduced"] is True and report["fidelity"]["tolerance"] == "bitwise"
     assert report["transformers"]["global_step"] == expected

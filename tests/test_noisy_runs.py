@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from conftest import example
+from conftest import assert_one_story, example
 from nanprobe import diagnose
 from nanprobe.cli import app
 from nanprobe.instrument import LOSS_FN
@@ -73,7 +73,7 @@ CASES = {
     "fp16_mask_constant_raises.py": (0, "overflow", "forward", "attn", lambda r: (
         "does not fit Half" in _text(r) and "finfo(scores.dtype).min" in _codes(r))),
     # 6. fixes in the user's terms
-    "ner_all_padding_ignore0.py": (3, "data", "input", None, lambda r: (
+    "ner_all_padding_ignore0.py": (3, "data", "forward", LOSS_FN, lambda r: (
         "ignore_index=0" in _codes(r) and "-100" not in _codes(r))),
 }
 
@@ -97,6 +97,7 @@ def test_new_example_is_named_right(name):
     report = diagnose(example(name) + ":target")
     top = report.top
     assert top is not None, report.to_json()
+    assert_one_story(report)
     outcome = (report.step, top.cause.value, top.phase.value, top.module)
     assert outcome == (step, cause, phase, module), [(f.cause.value, f.confidence, f.evidence)
                                                      for f in report.findings]

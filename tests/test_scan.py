@@ -25,14 +25,32 @@ def problems(result: ScanResult) -> list[tuple]:
     return [(p.step, p.level, p.code, p.key, p.samples) for p in result.problems]
 
 
+def _sdpa_level(mask: torch.Tensor) -> str:
+    """The oracle, independent of nanprobe: what SDPA (default backend choice) does for the mask's fully
+    masked row on this torch. Output and gradient 0: a warning (only a hand-written softmax makes NaN)."""
+    q = torch.randn(1, 1, mask.shape[-2], 4, requires_grad=True)
+    k = v = torch.randn(1, 1, mask.shape[-1], 4)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out.sum().backward()
+    rows = ~mask.any(-1) if mask.dtype == torch.bool else (mask.amax(-1) == float("-inf"))
+    harmless = bool(torch.isfinite(out).all()) and not bool(out[0, 0][rows].any()) and \
+        bool(torch.isfinite(q.grad).all())
+    return "warning" if harmless else "error"
+
+
+BOOL_ROW = torch.tensor([[True, True], [False, False]])
+FLOAT_ROW = torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]])
+MASKED = _sdpa_level(BOOL_ROW)
+MASKED_CODE = "masked_row" if MASKED == "error" else "masked_row_sdpa"
+
 # -- each bad case: (entry, the whole list of problems) ---------------------------------------------
 CASES = [
     ("scan_nan.py:target", [(3, "error", "nonfinite", "batch['x']", (2, 5))]),
     ("scan_labels.py:out_of_range", [(1, "error", "label_negative", "batch[1]", (2,)),
                                      (4, "error", "label_out_of_range", "batch[1]", (6,))]),
     ("scan_labels.py:all_ignored", [(2, "error", "all_ignored", "batch['labels']", ())]),
-    ("scan_masks.py:attention_mask", [(1, "error", "masked_row", "batch['attention_mask']", (3,))]),
-    ("scan_masks.py:key_padding_mask", [(2, "error", "masked_row", "batch['key_padding_mask']", (1,))]),
+    ("scan_masks.py:attention_mask", [(1, MASKED, MASKED_CODE, "batch['attention_mask']", (3,))]),
+    ("scan_masks.py:key_padding_mask", [(2, MASKED, MASKED_CODE, "batch['key_padding_mask']", (1,))]),
     ("scan_empty.py:target", [(2, "error", "empty", "batch.seqs", (4,))]),
     ("scan_fp16.py:target", [(2, "error", "beyond_range", "batch['features']", (7,))]),
     ("scan_warnings.py:target", [(9, "warning", "constant", "batch['x']", ()),
@@ -236,7 +254,8 @@ def test_additive_float_mask_rows():
     assert check_batch({"attn_mask": mask}) == []
     mask[1] = float("-inf")
     found = check_batch({"attn_mask": mask}, step=2)
-    assert [(p.code, p.samples) for p in found] == [("masked_row", (1,))]
+    assert [(p.code, p.samples) for p in found] == [("masked_row" if _sdpa_level(FLOAT_ROW) == "error"
+                                                     else "masked_row_sdpa", (1,))]
     bias = torch.zeros(3, 4)
     bias[2] = -1e9                  # fine in fp32 (uniform attention); -inf everywhere once cast to fp16
     assert check_batch({"attn_mask": bias}) == []
@@ -386,3 +405,26 @@ def test_scan_of_unsized_reiterable_batches_over_epochs(limit):
                     loss_fn=lambda m, b: m(b).sum(), batches=_Reiterable(batches), epochs=2)
     result = scan_data(target, limit=limit)
     assert [p.step for p in result.problems if p.code == "nonfinite"] == ([2, 6] if limit is None else [2])
+
+
+def test_masked_row_checks_agree_with_what_sdpa_computes_here():
+    """scan-data's verdict on a fully masked row is what F.scaled_dot_product_attention returns on this torch."""
+    from nanprobe.checks import sdpa_masked_row
+    measured = sdpa_masked_row()
+    assert "math" in measured["bool"] and measured["bool"]["math"] != "unavailable"
+    for kind, mask in (("bool", BOOL_ROW), ("float", FLOAT_ROW)):
+        level = _sdpa_level(mask)
+        key = "attn_mask"
+        found = check_batch({key: mask.unsqueeze(0).expand(2, 2, 2).clone()}, step=0)
+        code = "masked_row" if level == "error" else "masked_row_sdpa"
+        assert [(p.code, p.level) for p in found] == [(code, level)], (kind, found)
+        if level == "warning":
+            assert "returns 0 for such a row" in found[0].message and "hand-written softmax" in found[0].message
+
+
+def test_a_padding_mask_named_pad_is_recognised():
+    pad = torch.zeros(3, 4, dtype=torch.bool)
+    pad[1] = True                            # sample 1 is all padding
+    found = check_batch({"ids": torch.ones(3, 4, dtype=torch.long), "pad": pad}, step=5)
+    assert [(p.code, p.key, p.samples) for p in found] == [(MASKED_CODE, "batch['pad']", (1,))]
+    assert check_batch({"pad": torch.zeros(3, 4, dtype=torch.bool)}) == []

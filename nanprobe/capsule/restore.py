@@ -87,6 +87,15 @@ def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
             if damage:
                 raise CapsuleError(f"capsule field 'optimizers' is damaged: {name} {damage}", cap.path,
                                    "Use another capsule, or return the optimizer of the guarded run")
+    masters, live_masters = data.get("masters") or [], target.masters
+    if len(masters) != len(live_masters) or any(not isinstance(t, torch.Tensor) or t.shape != m.shape
+                                                 for t, (_, m) in zip(masters, live_masters)):
+        raise CapsuleError(f"capsule holds {len(masters)} master copies of the weights, the entrypoint's optimizers "
+                           f"step {len(live_masters)} tensor(s) outside the model", cap.path,
+                           "Return the optimizer over the same master copies as the guarded run")
+    with torch.no_grad():
+        for t, (_, m) in zip(masters, live_masters):
+            m.copy_(t)
     for (name, sched), state in zip(target.schedulers, data["schedulers"]):
         if state is None:
             continue

@@ -187,8 +187,10 @@ def classify(ev: Evidence) -> list[Finding]:
     if not found and ev.origin is not None:
         f = unknown_origin(ev.origin)
         found[f.cause] = f
-    if not found or entered(ev) is not None:
-        f = unknown_step(ev)   # a value from outside the step's ops: say where it entered, whatever else is found
+    if not found or entered(ev) is not None and Cause.DATA not in found:
+        # a value from outside the step's ops: say where it entered, whatever else is found (a data finding
+        # already says: the batch brought it)
+        f = unknown_step(ev)
         if f is not None:
             found[f.cause] = f
     return sorted(found.values(), key=lambda f: -f.confidence)
@@ -300,3 +302,43 @@ def scaler_skip_note(ev: Evidence) -> str | None:
 
 def replace_conf(f: Finding, conf: float) -> Finding:
     return dataclasses.replace(f, confidence=max(0.0, min(conf, 0.99)))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLR:
+    """The optimizer param group that holds a parameter, and the other groups' LRs."""
+
+    optimizer: str
+    index: int
+    count: int
+    lr: float
+    others: tuple[float, ...]
+
+    @property
+    def differs(self) -> bool:
+        """Several groups and this one's LR is not theirs: the first group's LR does not speak for it."""
+        return self.count > 1 and any(abs(o - self.lr) > 1e-12 * max(abs(self.lr), 1.0) for o in self.others)
+
+
+def owning_group(ev: Evidence, parameter: str | None) -> GroupLR | None:
+    """The param group (of the target's optimizers) holding ``parameter`` (a model parameter name)."""
+    if not parameter:
+        return None
+    p = dict(ev.target.model.named_parameters()).get(parameter)
+    if p is None:
+        return None
+    for name, opt in ev.target.optimizers:
+        for i, group in enumerate(opt.param_groups):
+            if any(q is p for q in group["params"]):
+                lrs = [_as_float(gr.get("lr")) for gr in opt.param_groups]
+                if lrs[i] is None:
+                    return None
+                return GroupLR(optimizer=name, index=i, count=len(lrs), lr=lrs[i],
+                               others=tuple(x for j, x in enumerate(lrs) if j != i and x is not None))
+    return None
+
+
+def _as_float(x) -> float | None:
+    if isinstance(x, torch.Tensor):
+        return float(x.item()) if x.numel() == 1 else None
+    return float(x) if isinstance(x, (int, float)) else None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ..instrument import Event
 from ..report import Cause, Finding
-from .core import Evidence, finding, g, node_base, op_base, origin_line
+from .core import Evidence, dtype_max, finding, g, node_base, op_base, origin_line
 
 Semantic = Callable[[Evidence, Event], "list[Finding] | None"]
 _OPS: dict[str, Semantic] = {}
@@ -116,3 +116,64 @@ def nll_no_target(ev: Evidence, e: Event) -> list[Finding] | None:
         origin_line(e),
         f"nll_loss (cross_entropy) averaged over zero targets: every label of the batch is ignore_index ({ii}), "
         "or every present class has weight 0: 0/0 = NaN"])]
+
+
+def _per_output(e: Event) -> int | None:
+    """How many input values each output of a reduction summarised (input numel / output numel)."""
+    if not e.inputs or not e.out_numel:
+        return None
+    return e.inputs[0].numel // e.out_numel
+
+
+@register_semantics("std", "var", "std_mean", "var_mean")
+def unbiased_over_one(ev: Evidence, e: Event) -> list[Finding] | None:
+    """std/var over N <= 1 values: the unbiased estimator divides by N - 1 = 0 (or N = 0): 0/0 = NaN."""
+    if e.kind != "nan" or _has_inf_input(e):
+        return None
+    n = _per_output(e)
+    if n is None or n > 1:
+        return None
+    name = (node_base(e.node) if e.node else op_base(e.op)).lower()
+    shape = e.inputs[0].shape
+    lines = [origin_line(e),
+             f"{name} over {n} value(s) per output (input shape {list(shape)}): the unbiased estimator divides the "
+             f"sum of squared deviations by N - 1 = {n - 1}, so it computes 0/0 = NaN"]
+    out = [finding(Cause.DIV, 0.93, e, lines)]
+    size = _batch_size(ev)
+    if size is not None and size <= 1 and shape and shape[0] == size:
+        out[0] = finding(Cause.DIV, 0.93, e, lines + [
+            f"the batch of step {ev.reached.step} holds {size} sample(s) and {name} reduces over the sample "
+            "axis: a last, short batch (a loader without drop_last) or a per-class/per-group split of one"])
+        out.append(finding(Cause.DATA, 0.7, e, [
+            f"step {ev.reached.step}: the batch holds {size} sample(s); {name} over the batch axis needs at least 2",
+            "drop the short last batch (DataLoader(..., drop_last=True)) or use correction=0 (unbiased=False)"]))
+    return out
+
+
+def _batch_size(ev: Evidence) -> int | None:
+    from ..step import batch_size
+    items = ev.reached.recorded.items
+    return batch_size(items[0]) if items else None
+
+
+@register_semantics("native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm",
+                    "_native_batch_norm_legit", "batch_norm")
+def normalization(ev: Evidence, e: Event) -> list[Finding] | None:
+    """A normalization layer fed extreme or constant inputs: its variance overflows (x^2 beyond the dtype's
+    max gives inf, rstd 0, then inf * 0 = NaN), or a constant row has zero variance (with eps = 0)."""
+    if _has_inf_input(e) or not e.inputs:
+        return None
+    x = e.inputs[0]
+    lim = dtype_max(x.dtype) if x.dtype in ("float16", "bfloat16", "float32", "float64") else None
+    name = node_base(e.node) if e.node else op_base(e.op)
+    if lim is not None and x.absmax > 0 and x.absmax * x.absmax > lim:
+        return [finding(Cause.OVERFLOW, 0.92, e, [
+            origin_line(e),
+            f"{name} of inputs up to |x| = {g(x.absmax)}: the variance squares them, and {g(x.absmax)}^2 exceeds the "
+            f"{x.dtype} maximum {lim:g} (|x| above {g(lim ** 0.5)} overflows): var = inf, rstd = 0, inf * 0 = NaN",
+            "an extreme value reached the normalization (an embedding row, a feature or a residual stream far out "
+            "of range): find where it came from; a larger eps does not help"])]
+    if x.zeros == x.numel or (x.absmax == 0):
+        return [finding(Cause.DIV, 0.85, e, [
+            origin_line(e), f"{name} of an all-zero input with eps = 0: zero variance, 0/0 = NaN"])]
+    return None

@@ -12,7 +12,7 @@ import statistics
 from ..precision import limits
 from ..report import Cause, Finding, Phase, Status, StepRecord
 from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, nonfinite_state, op_base,
-                   origin_line, rule, zeros)
+                   origin_line, owning_group, rule, zeros)
 from .ops import semantics_for
 
 
@@ -31,6 +31,8 @@ def data_rule(ev: Evidence) -> list[Finding]:
         lines.append("it surfaces as " + origin_line(ev.origin))
     elif ev.reached.error is not None:
         lines.append(f"the step raised before any NaN existed: {ev.reached.error.message}")
+    if ev.origin is not None:   # one story: the batch is why, the origin is where (its phase, module, op)
+        return [finding(Cause.DATA, conf, ev.origin, lines)]
     return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT, module=None, op=None)]
 
 
@@ -145,10 +147,25 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     if grew and not (source and up_strength > grow_strength):
         module = grew.rsplit(".", 1)[0] if "." in grew else ""
     elif source and strength:
-        pname = max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
+        pname = largest_update(ev)
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
+        owner = owning_group(ev, pname)
+        if owner is not None and owner.differs:
+            # the step's recorded LR is the first group's: quote the group that owns the parameter instead
+            lines = [line for line in lines if not line.startswith("learning rate ")]
+            lines.insert(0, f"learning rate {g(owner.lr)} in param group {owner.index} of {owner.count} "
+                            f"({owner.optimizer}), the group holding {pname}; the other group(s): "
+                            f"{', '.join(g(x) for x in owner.others)}")
         lines.insert(0, f"largest relative update: {pname} ({g(source[pname])})")
     return lines, module, strength
+
+
+def largest_update(ev: Evidence) -> str | None:
+    """The parameter with the largest relative update |dw|/|w| near the step (None: none measured)."""
+    source = ev.reached.update_ratios or ev.main.update_ratios
+    if not source:
+        return None
+    return max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
 
 
 @rule
@@ -199,6 +216,8 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
         conf += 0.15  # not a precision problem: the reference diverges too
     if e is not None and e.phase is Phase.UPDATE and family_of(e) != "div":
         conf += 0.1
+    if conf < 0.1:
+        return found   # the other evidence explains the step: a step size at no confidence is no finding
     if reason:
         lines.insert(0, f"replay: {reason} at step {ev.reached.step}")
     return found + [finding(Cause.LR_SPIKE, conf, None, lines, phase=Phase.UPDATE, module=module, op=None)]
@@ -292,6 +311,14 @@ def origin_rule(ev: Evidence) -> list[Finding]:
             tiny = min((s.min_nonzero for s in probe.inputs if s.min_nonzero is not None), default=None)
             run_dtype = str(ev.reached.precision.dtype).replace("torch.", "")
             lim = limits(ev.reached.precision.dtype)
+            if tiny is not None and tiny >= lim.tiny:
+                # no reference value is small enough to flush: the zeros are rounding (the cancellation of
+                # nearly equal terms, e.g. E[x^2] - E[x]^2), the low precision's lack of digits, not its range
+                lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
+                             f"{ev.reached.precision.value} run but non-zero in {ev.reference.precision.value} "
+                             f"(smallest {g(tiny)}, within {run_dtype}'s range): rounding cancelled them (a "
+                             f"difference of nearly equal terms); precision is the problem, not the data")
+                return False
             lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
                          f"{ev.reached.precision.value} run but non-zero in {ev.reference.precision.value} (smallest "
                          f"{g(tiny)}; {run_dtype} flushes below {lim.subnormal:.2g})")
@@ -308,9 +335,11 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         if info:
             extra.append(f"parameter {info.get('parameter')} ({info.get('optimizer', 'optimizer')}, lr "
                          f"{g(info.get('lr'))}, eps {g(info.get('eps'))})")
-            if "exp_avg_sq_zeros" in info:
-                extra.append(f"exp_avg_sq: {info['exp_avg_sq_zeros']} of {info['exp_avg_sq_numel']} entries are 0 "
-                             f"(min {g(info['exp_avg_sq_min'])})")
+            # the second moment the update divides by (Adam's exp_avg_sq, RMSprop's square_avg, Adagrad's sum)
+            key = next((k for k in ("exp_avg_sq", "square_avg", "sum") if f"{k}_zeros" in info), None)
+            if key is not None:
+                extra.append(f"{key}: {info[f'{key}_zeros']} of {info[f'{key}_numel']} entries are 0 "
+                             f"(min {g(info[f'{key}_min'])})")
         if fam == "div" or (info.get("eps") == 0):
             return [finding(Cause.DIV, 0.93, e, lines + extra + [
                 "the update divides by sqrt(second moment) + eps, and both are 0 for parameters whose gradient "

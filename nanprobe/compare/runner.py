@@ -208,6 +208,10 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
         if name == "fp16+scaler" and not target.optimizers:
             skipped[name] = "GradScaler needs an optimizer; the target has none"
             continue
+        if name == "fp16+scaler" and target.pure:
+            skipped[name] = (f"the weights themselves are {target.weights.value}: GradScaler needs float32 weights "
+                             "(autocast) or float32 master copies to unscale into")
+            continue
         if name == "fp16+scaler" and target.step_fn is not None:
             skipped[name] = "your step_fn drives its own GradScaler (or none): the fp16 run executes it as written"
             continue
@@ -244,9 +248,13 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
     least, over, under = _rank(layers, ref_name, k, results)
     bad_input = [path for path, t in iter_tensors(reached.batch) if t.is_floating_point()
                  and not bool(torch.isfinite(t).all())] if not results[ref_name].finite else []
-    recommended, line = _recommend(results, ref_name, ccfg, loaded.entry, reached.step, bad_input)
+    recommended, line = _recommend(results, ref_name, ccfg, loaded.entry, reached.step, bad_input,
+                                   run=reached.precision.value)
     policy_text = None
-    if any(_RUNS[n][0].autocast for n in runs):
+    if target.pure:
+        policy_text = (f"no autocast: the weights themselves are {target.weights.value}; each other precision "
+                       "reruns with the weights, optimizer state and batch cast to it")
+    elif any(_RUNS[n][0].autocast for n in runs):
         policy_text = (f"CUDA autocast op list emulated on {device.type}" if reached.policy == "cuda"
                        and device.type == "cpu" else f"native {device.type} autocast")
     return Comparison(entry=loaded.entry, step=reached.step, device=describe_device(device),
@@ -464,7 +472,7 @@ def _problem(r: PrecisionRun, bf16_ok: bool) -> tuple[str, str]:
 
 
 def _recommend(results: dict[str, PrecisionRun], ref_name: str, cfg: CompareConfig, entry: str,
-               step: int, bad_input: list[str]) -> tuple[str | None, str]:
+               step: int, bad_input: list[str], run: str | None = None) -> tuple[str | None, str]:
     ref = results[ref_name]
     if not ref.finite:
         what, _ = _problem(ref, False)
@@ -528,4 +536,8 @@ def _recommend(results: dict[str, PrecisionRun], ref_name: str, cfg: CompareConf
     if recommended is None:
         recommended = "fp32" if (fp32 is not None and fp32.ran and fp32.finite) else None
     head = f"use {recommended}" if recommended else "no compared precision is safe for this step"
+    own = results.get(run) if run is not None else None
+    if recommended and own is not None and own.ran and not own.finite and run != recommended:
+        head = (f"precision is the problem: the run's own {run} is non-finite at this step, {recommended} and "
+                f"{ref_name} are finite from the same state and batch; {head}")
     return recommended, head + (" — " + "; ".join(parts) if parts else "")

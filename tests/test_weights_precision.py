@@ -1,0 +1,164 @@
+"""Precision is a property of the tensors: pure bf16 weights (no autocast) are reported as bf16, and reruns
+in fp32/fp64 cast the weights, optimizer state and batch for real and put them back bitwise."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from conftest import assert_one_story, asset, example
+from nanprobe import diagnose
+from nanprobe.compare import compare_precisions
+from nanprobe.config import load_config
+from nanprobe.entry import load_target
+from nanprobe.precision import Precision, weights_precision
+from nanprobe.replay import reach
+from nanprobe.report import Phase
+from nanprobe.rerun import run_step
+
+W = asset("weights_targets.py")
+PURE = "bf16_pure_variance_shortcut.py"
+
+
+def _plain_first_bad(name: str) -> int | None:
+    sys.path.insert(0, str(__import__("pathlib").Path(example(name)).parent))
+    from plain_loop import train
+    spec = __import__("importlib.util").util.spec_from_file_location("ex", example(name))
+    mod = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    step, _ = train(mod.target(), verbose=False)
+    return step
+
+
+def test_weights_precision_reads_the_parameters_dtype():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert weights_precision(m) is None
+    assert weights_precision(m.to(torch.bfloat16)) is Precision.BF16
+    assert weights_precision(m.to(torch.float16)) is Precision.FP16
+    assert weights_precision(m.to(torch.float64)) is None
+
+
+def test_pure_bf16_run_is_reported_as_bf16_and_fp32_is_finite():
+    report = diagnose(example(PURE) + ":target")
+    assert report.step == _plain_first_bad(PURE)
+    assert report.precision == "bf16" and "no autocast" in report.autocast_policy
+    top = report.top
+    assert_one_story(report)
+    assert (top.cause.value, top.phase.value, top.module) == ("sqrt", "forward", "standardize"), report.to_json()
+    assert (report.origin.phase.value, report.origin.module) == ("forward", "standardize")
+    assert report.precisions["bf16"].finite is False
+    assert report.precisions["fp32"].finite is True
+    assert any("precision is the problem" in line for line in top.evidence)
+
+
+def test_compare_precisions_on_pure_bf16_finds_fp32_and_fp64_finite():
+    cmp = compare_precisions(example(PURE) + ":target", precisions="fp64,fp32,bf16")
+    p = cmp.precisions
+    assert cmp.precision == "bf16"
+    assert (p["fp64"].finite, p["fp32"].finite, p["bf16"].finite) == (True, True, False)
+    assert p["bf16"].origin.module == "standardize"
+    assert cmp.recommended == "fp32" and cmp.recommendation.startswith("precision is the problem")
+
+
+def _state(target):
+    return (copy.deepcopy(target.model.state_dict()), copy.deepcopy(target.optimizer.state_dict()))
+
+
+def _assert_same(target, state):
+    model, opt = state
+    for k, v in target.model.state_dict().items():
+        assert v.dtype == model[k].dtype and torch.equal(v, model[k]), k
+    now = target.optimizer.state_dict()["state"]
+    for i, entry in opt["state"].items():
+        for key, value in entry.items():
+            assert now[i][key].dtype == value.dtype and torch.equal(now[i][key], value), (i, key)
+
+
+@pytest.mark.parametrize("precision, dtype", [(Precision.FP32, torch.float32), (Precision.FP64, torch.float64)])
+def test_reruns_cast_weights_state_and_batch_and_put_them_back_bitwise(precision, dtype):
+    loaded = load_target(f"{W}:pure_bf16")
+    target = loaded.target
+    assert target.precision is Precision.BF16 and target.pure
+    reached = reach(target, at=3, precision=target.precision, cfg=load_config().replay, where=loaded.where)
+    before = _state(target)
+    seen: dict[str, set] = {"grad": set(), "state": set()}
+
+    def observe(phase):
+        if phase is Phase.UPDATE:
+            seen["grad"] |= {p.grad.dtype for p in target.model.parameters()}
+            seen["state"] |= {v.dtype for s in target.optimizer.state.values() for k, v in s.items() if k != "step"}
+    t = run_step(target, reached, precision, where=loaded.where, instrument=True, observe=observe, update=True)
+    assert t.finite and not t.trace.events
+    assert seen == {"grad": {dtype}, "state": {dtype}}   # the update ran on cast weights and state
+    _assert_same(target, before)
+    assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    own = run_step(target, reached, Precision.BF16, where=loaded.where, instrument=False)
+    assert own.record.loss != t.record.loss   # the rerun really computed in another dtype
+    assert own.record.loss == pytest.approx(t.record.loss, rel=2e-2)
+    _assert_same(target, before)
+
+
+MASTER = "fp16_master_weights.py"
+
+
+def _master_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fp16_master_weights_t", example(MASTER))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fp16_weights_with_fp32_master_copies_replay_bitwise():
+    mod = _master_module()
+    model, masters, opt = mod.make()               # the plain loop, 10 steps
+    for batch in mod.make_batches()[:10]:
+        mod.train_step(model, masters, opt, batch)
+    loaded = load_target(example(MASTER) + ":target")
+    target = loaded.target
+    assert target.precision is Precision.FP16 and len(target.masters) == len(list(target.model.parameters()))
+    reach(target, at=10, precision=target.precision, cfg=load_config().replay, where=loaded.where)
+    for a, b in zip(model.parameters(), target.model.parameters()):
+        assert a.dtype == b.dtype == torch.float16 and torch.equal(a, b)
+    for a, (_, b) in zip(masters, target.masters):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    state = opt.state_dict()["state"]
+    for i, entry in target.optimizer.state_dict()["state"].items():
+        assert all(torch.equal(v, state[i][k]) for k, v in entry.items())
+
+
+def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path):
+    from nanprobe.guard import Guard
+    mod = _master_module()
+    expected = mod.first_bad_step()
+    report = diagnose(example(MASTER) + ":target")
+    assert_one_story(report)
+    assert (report.step, report.precision) == (expected, "fp16")
+    top = report.top
+    assert (top.cause.value, top.phase.value, top.module) == ("overflow", "forward", "attn")
+    assert report.fidelity.reproduced is True and report.precisions["fp32"].finite is True
+    # the Guard in the user's own loop: the bad step is skipped, its capsule replays bitwise
+    model, masters, opt = mod.make()
+    guard = Guard(model, opt, capsule_dir=tmp_path, entry=example(MASTER) + ":target")
+    applied = []
+    for batch in mod.make_batches()[:expected + 1]:
+        with guard.step(batch):
+            loss = torch.nn.functional.cross_entropy(model(batch["x"]).float(), batch["y"])
+            model.zero_grad(set_to_none=True)
+            guard.backward(loss * mod.LOSS_SCALE)
+            for p, m in zip(model.parameters(), masters):
+                m.grad = p.grad.float() / mod.LOSS_SCALE
+        applied.append(guard.optimizer_step())
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+    assert applied == [True] * expected + [False]
+    capsule = next(tmp_path.glob("*.capsule.pt"))
+    again = diagnose(example(MASTER) + ":target", capsule=str(capsule))
+    assert (again.step, again.top.cause.value, again.top.module) == (expected, "overflow", "attn")
+    assert again.fidelity.reproduced is True and again.fidelity.tolerance == "bitwise"
