@@ -58,6 +58,7 @@ class Reached:
     error: UserCodeError | None = None  # the user's code raised during this step
     earlier: list[StepRecord] = field(default_factory=list)  # bad steps before `step` (with --at)
     step_ratios: dict[str, float] = field(default_factory=dict)  # per parameter, the replayed step's own
+    compiled: bool = False             # the original step ran torch.compile'd code; the reruns are eager
 
     @property
     def position(self) -> Position | None:

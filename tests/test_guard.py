@@ -328,3 +328,57 @@ def test_capsule_rng_is_the_state_at_step_start(tmp_path, uses_host_rng):
     torch_state, py_state, np_keys = starts[6]
     assert torch.equal(rng["torch"], torch_state)
     assert rng["python"][1] == list(py_state[1]) and rng["numpy"][1] == np_keys
+
+
+def _lbfgs_run(guard_dir, nan_at=()):
+    """LBFGS (its step() evaluates the closure several times): the plain loop, or the guarded one."""
+    model, _ = _tiny()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    guard = Guard(model, opt, capsule_dir=guard_dir) if guard_dir else None
+    applied = []
+    for batch in _batches(6, nan_at=nan_at):
+        def closure(batch=batch):
+            opt.zero_grad()
+            loss = _loss(model, batch)
+            loss.backward()
+            return loss
+        if guard is None:
+            opt.step(closure)
+            continue
+        with guard.step(batch):
+            applied.append(guard.optimizer_step(closure=closure))
+    return model, guard, applied
+
+
+def test_closure_optimizer_healthy_is_the_plain_loop_and_a_bad_first_evaluation_is_skipped(tmp_path):
+    plain, _, _ = _lbfgs_run(None)
+    guarded, guard, applied = _lbfgs_run(tmp_path)
+    assert applied == [True] * 6 and guard.events == []
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), guarded.state_dict().values()))
+    model, guard, applied = _lbfgs_run(tmp_path, nan_at={3})
+    assert applied == [True, True, True, False, True, True]
+    assert [(e.step, e.reason, e.action) for e in guard.events] == [(3, "loss is nan", "skipped")]
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and read(guard.events[0].capsule).step == 3
+    with pytest.raises(UsageError, match=r"LBFGS.step\(\) needs a closure"):
+        guard.optimizer_step()
+
+
+def test_the_model_and_optimizer_copy_and_save_as_usual_under_a_guard(tmp_path):
+    import io
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path)
+    averaged = AveragedModel(model)
+    for batch in _batches(3):
+        with guard.step(batch):
+            opt.zero_grad()
+            guard.backward(_loss(model, batch))
+        guard.optimizer_step()
+        averaged.update_parameters(copy.deepcopy(model))
+        torch.save(model, io.BytesIO())
+        pickle.loads(pickle.dumps((model, opt)))
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert guard.events == []

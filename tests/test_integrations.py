@@ -50,6 +50,22 @@ def _equal_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _copy_and_save(model: nn.Module, averaged: list) -> None:
+    """What training code does with its model between steps: a best-model snapshot, an AveragedModel
+    (SWA/EMA), torch.save of the whole module, a state_dict round trip."""
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    copy.deepcopy(model)
+    if not averaged:
+        averaged.append(AveragedModel(model))
+    averaged[0].update_parameters(model)
+    torch.save(model, io.BytesIO())
+    model.load_state_dict(copy.deepcopy(model.state_dict()))
+
+
 # -- Lightning ----------------------------------------------------------------------------------------------
 
 L = _framework("lightning")
@@ -180,15 +196,21 @@ def test_lightning_policies_stop_or_raise_after_the_report(tmp_path, policy):
 def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_path, precision):
     from nanprobe.integrations.lightning import NanprobeCallback
 
+    class Copies(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _copy_and_save(pl_module, averaged)
+
     finals = []
     for with_callback in (False, True):
         torch.manual_seed(0)
         module = Regressor(relative_from_epoch=None)
         cb = NanprobeCallback(dirpath=tmp_path / "reports")
-        _fit(module, [cb] if with_callback else [], tmp_path, precision=precision, accumulate_grad_batches=3,
-             gradient_clip_val=0.5)
+        averaged: list = []
+        _fit(module, [cb, Copies()] if with_callback else [Copies()], tmp_path, precision=precision,
+             accumulate_grad_batches=3, gradient_clip_val=0.5)
         finals.append({k: v.clone() for k, v in module.state_dict().items()})
-    assert _equal_state(finals[0], finals[1])
+        finals.append({k: v.clone() for k, v in averaged[0].state_dict().items()})
+    assert _equal_state(finals[0], finals[2]) and _equal_state(finals[1], finals[3])
     assert cb.events == [] and not (tmp_path / "reports").exists()
     assert cb._guard.checks == 9   # 8 batches per epoch in steps of 3, 3 and 2 micro-batches, 3 epochs
 
@@ -297,15 +319,21 @@ def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(t
     micro-batches are harmless then), clipping, the linear schedule."""
     from nanprobe.integrations.transformers import NanprobeCallback
 
+    class Copies(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            _copy_and_save(model, averaged)
+
     finals = []
     for with_callback in (False, True):
         model = _gpt2()
         cb = NanprobeCallback(dirpath=tmp_path / "reports")
-        trainer = _hf_trainer(model, SFTData(cut=(2,)), [cb] if with_callback else [], tmp_path, bf16=True,
-                              gradient_accumulation_steps=2, max_grad_norm=0.5)
+        averaged: list = []
+        trainer = _hf_trainer(model, SFTData(cut=(2,)), [cb, Copies()] if with_callback else [Copies()], tmp_path,
+                              bf16=True, gradient_accumulation_steps=2, max_grad_norm=0.5)
         trainer.train()
         finals.append({k: v.clone() for k, v in model.state_dict().items()})
-    assert _equal_state(finals[0], finals[1])
+        finals.append({k: v.clone() for k, v in averaged[0].state_dict().items()})
+    assert _equal_state(finals[0], finals[2]) and _equal_state(finals[1], finals[3])
     assert cb.events == [] and cb._guard.checks == 6 and not (tmp_path / "reports").exists()
     assert "training_step" not in vars(trainer)   # the instance wrapper is gone after train()
 

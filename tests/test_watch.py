@@ -205,3 +205,42 @@ def test_watch_under_ddp_all_ranks_skip_the_step_one_rank_saw(tmp_path):
     assert r0["events"] == [[BAD_ON_RANK1, False, 0, "skipped", False]]   # rank 0 skipped it with rank 1
     w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(w0[k], w1[k]) and torch.isfinite(w0[k]).all() for k in w0)   # still in sync, finite
+
+
+# -- never break a healthy run: copies, saves, closure optimizers ------------------------------------------------
+
+COPIES = WATCH / "copies.py"
+
+
+def _run_plain(script: Path, *args: str) -> None:
+    argv, path0 = list(sys.argv), sys.path[0]
+    sys.argv, sys.path[0] = [str(script), *args], str(script.parent)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[0] = argv, path0
+
+
+@pytest.mark.parametrize("optimizer", [(), ("--lbfgs",)], ids=["adamw", "lbfgs"])
+def test_watch_lets_the_script_copy_average_and_save_its_model_with_the_same_weights(tmp_path, optimizer):
+    """deepcopy (best model, EMA), AveragedModel, torch.save(model), pickles that load without nanprobe,
+    state_dict round trips; LBFGS's closure: bitwise the weights of the script alone."""
+    _run_plain(COPIES, "--out", str(tmp_path / "plain.pt"), *optimizer)
+    result = watch(["python", str(COPIES), "--out", str(tmp_path / "watched.pt"), *optimizer],
+                   dirpath=tmp_path / "reports")
+    assert result.exit_code == 0 and result.error is None and result.events == () and result.steps == 6
+    plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    for part in plain:
+        assert all(torch.equal(plain[part][k], watched[part][k]) for k in plain[part]), part
+
+
+def test_watch_checks_a_closure_optimizer_at_the_step_whose_closure_went_bad(tmp_path):
+    """LBFGS evaluates its closure several times in one step(): the first evaluation is the step's,
+    checked before any update (the step is 3, not 4, and its weights stay finite)."""
+    result = watch(["python", str(COPIES), "--out", str(tmp_path / "w.pt"), "--lbfgs", "--bad-step", "3"],
+                   dirpath=tmp_path / "reports", json_out=tmp_path / "report.json")
+    assert result.exit_code == 0 and result.steps == 6
+    assert [(e.step, e.reason, e.action) for e in result.events] == [(3, "loss is nan", "skipped")]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["step"], report["findings"][0]["cause"], report["findings"][0]["phase"]) == (3, "data", "input")
+    assert all(torch.isfinite(v).all() for v in torch.load(tmp_path / "w.pt")["model"].values())

@@ -186,7 +186,7 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     return Reached(step=cap.step, recorded=recorded, snapshot=snapshot, loop=loop, precision=prec, status=status,
                    reason=cap.reason, record=record if record.loss is not None or record.grad_norm is not None
                    else None, history=history, update_ratios={}, reached_by=how, notes=notes,
-                   policy=policy or "native", **scheduler_info(target))
+                   policy=policy or "native", compiled=bool(data.get("compiled", False)), **scheduler_info(target))
 
 
 def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None = None,

@@ -50,7 +50,8 @@ from ..report import Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
-from ..guard import check_guard_config
+from ..guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
+from ..sharding import full_value, sharded, weights_finite
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
 
@@ -77,6 +78,7 @@ class Pending:
     world: int
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
     compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
+    undiagnosed: str | None = None      # why this bad step gets no in-process diagnosis (``before`` is None)
 
 
 class HookedGuard:
@@ -197,10 +199,12 @@ class HookedGuard:
             self._attrs = module_tensor_attrs(self.model)
         if norm is None:
             norm = total_norm(grads_of(optimizers))
+        norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
             self._world = distributed()
         rank, world = self._world
-        loss_v, norm_v, others_bad = self._read(self._losses, norm, scaler_active, world > 1)
+        loss_v, norm_v, others_bad, loss_rank = self._read(self._losses, norm, scaler_active,
+                                                            (rank, world) if world > 1 else None)
         lr = current_lr(optimizers)
         skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
         # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
@@ -214,6 +218,9 @@ class HookedGuard:
         if status is Status.FINITE and others_bad:
             status, reason, local = Status.NONFINITE, "another rank saw a non-finite value or spike at this step", \
                 False
+        elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
+            # this rank's loss is finite: its non-finite gradients came through the gradient reduction
+            reason, local = rank_reason(reason or "bad step", loss_rank), False
         if status is Status.FINITE:
             self.judge.add(record)
             self.history.append(record)
@@ -228,23 +235,28 @@ class HookedGuard:
         return self.judge.model.loss_cut(), self.judge.model.norm_cut()
 
     def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
-              scaler_active: bool, dist: bool) -> tuple[float | None, float | None, bool]:
-        """The step's losses (their sum), the norm and, under torch.distributed, the all-reduced bad flag
-        to the host in one sync: one ``stack`` and one ``tolist`` (few ops: each costs microseconds)."""
+              scaler_active: bool, dist: tuple[int, int] | None
+              ) -> tuple[float | None, float | None, bool, int | None]:
+        """The step's losses (their sum), the norm and, under torch.distributed (``(rank, world)``), the
+        all-reduced bad flag and first rank with a non-finite loss to the host in one sync: one ``stack``
+        and one ``tolist`` (few ops: each costs microseconds)."""
         parts: list[torch.Tensor] = [t for t, _ in losses]
         scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
         parts += scales
         if norm is not None:
             parts.append(norm.detach())
         if not parts:
-            return None, None, bool(self._reduce_flag([], None, scaler_active).item()) if dist else False
+            if not dist:
+                return None, None, False, None
+            flags = self._reduce_flag([], None, scaler_active, dist).tolist()
+            return None, None, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1])
         device = parts[0].device
         if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
             parts = [t.float().reshape(()).to(device) for t in parts]
         stacked = torch.stack(parts)
         if dist:
             stacked = torch.cat([stacked, self._reduce_flag(losses, stacked[-1] if norm is not None else None,
-                                                            scaler_active)])
+                                                            scaler_active, dist)])
         values = stacked.tolist()   # the one device sync
         loss_v = None
         it = iter(values[len(losses):len(losses) + len(scales)])
@@ -255,12 +267,15 @@ class HookedGuard:
                 v = _f32(v / scale)
             loss_v = v if loss_v is None else _f32(loss_v + v)
         norm_v = values[len(losses) + len(scales)] if norm is not None else None
-        return loss_v, norm_v, bool(values[-1] > 0) if dist else False
+        if not dist:
+            return loss_v, norm_v, False, None
+        return loss_v, norm_v, bool(values[-2] > 0), loss_rank_of(values[-1], dist[1])
 
     def _reduce_flag(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]],
-                     nv: torch.Tensor | None, scaler_active: bool) -> torch.Tensor:
-        """Bad on this rank (non-finite loss or gradient, a spike), all-reduced (MAX) across ranks: every
-        rank skips the step any rank saw."""
+                     nv: torch.Tensor | None, scaler_active: bool, dist: tuple[int, int]) -> torch.Tensor:
+        """Bad on this rank (non-finite loss or gradient, a spike) and the first rank with a non-finite
+        loss, all-reduced across ranks (:func:`nanprobe.guard.rank_flags`): every rank skips the step any
+        rank saw."""
         if losses:
             device = losses[0][0].device
         elif nv is not None:
@@ -269,31 +284,19 @@ class HookedGuard:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
         t_loss, t_norm = self._thresholds()
-        bad = torch.zeros((), dtype=torch.bool, device=device)
+        lv = None
         if losses:
             lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
                               for t, s in losses]).sum()
-            bad = bad | ~torch.isfinite(lv) | (lv > t_loss)
-        if nv is not None:
-            nv = nv.float().to(device)
-            ok = torch.isfinite(nv)
-            bad = bad | (ok & (nv > t_norm))
-            if not scaler_active:
-                bad = bad | ~ok
-        flag = bad.float().reshape(1)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return flag
-
-    def _weights_finite(self) -> bool:
-        params = [p.detach() for p in self.model.parameters()]
-        return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        return rank_flags(lv, t_loss, None if nv is None else nv.float().to(device), t_norm, scaler_active,
+                          device, *dist)
 
     def _bad(self, step: int, status: Status, reason: str, local: bool, record: StepRecord,
              position: Position | None, rank: int, world: int, settings: dict[str, Any]) -> bool:
         self.consecutive += 1
         if self.policy != "record" and self._shadow:
             torch._foreach_copy_(self._buffers, self._shadow)   # BatchNorm statistics as before the step
-        corrupt = not self._weights_finite()   # rare path: a sync here is fine
+        corrupt = not weights_finite(self.model)   # rare path: a sync here is fine
         if corrupt:
             local = True
             reason = (f"{reason}, and the weights were already non-finite before this step: the optimizer update "
@@ -305,7 +308,13 @@ class HookedGuard:
         rng_after = list(self._rng_after)
         rng = rng_after[0] if rng_after else self.rngs.capture()
         # a step only another rank saw is finite here: the rank that saw it diagnoses it
-        before = self._take_before(loop, rng) if local and self.reports < self.max_reports else None
+        undiagnosed = None
+        if sharded(self.model):
+            undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP2), so no rank can rerun its "
+                           "step alone; replay the capsule (it holds the full weights)")
+        elif local and self.reports >= self.max_reports:
+            undiagnosed = "not diagnosed in-process: max_reports reached; replay the capsule"
+        before = self._take_before(loop, rng) if local and undiagnosed is None else None
         if before is not None:
             self.reports += 1
         path = note = None
@@ -318,7 +327,7 @@ class HookedGuard:
         self.pending = Pending(step=step, status=status, reason=reason, local=local, record=record,
                                 history=list(self.history), loop=loop, before=before, items=items,
                                 rng_after=rng_after, position=position, capsule=path, capsule_note=note,
-                                corrupt=corrupt, rank=rank, world=world)
+                                corrupt=corrupt, rank=rank, world=world, undiagnosed=undiagnosed)
         # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
         self.history.append(record)
         if self.on_bad is not None:
@@ -426,6 +435,7 @@ class HookedGuard:
                                                              position=p.position),
                               snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
                               reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
+                              compiled=_capsule.compiled_graphs() > 0,
                               **scheduler_info(target))
             loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
                             path=None, lineno=None)
@@ -476,9 +486,9 @@ def _headline(report: Report | None, p: Pending) -> str:
     from ..smoke import headline
 
     if report is None:
-        if p.before is not None or not p.local:
+        if p.undiagnosed is None or not p.local:
             return f"step {p.step}: {p.reason}"
-        return f"step {p.step}: {p.reason} (not diagnosed in-process: max_reports reached; replay the capsule)"
+        return f"step {p.step}: {p.reason} ({p.undiagnosed})"
     text = headline(report)
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
         text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import weakref
@@ -19,11 +20,37 @@ from ..hooked import HookedGuard, HookEvent, skip_update, total_norm
 from ..hooked.guard import Pending
 from ..precision import Precision
 from ..report import Cause, Report, Status
+from ..sharding import local_value
 from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
 from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, params_module,
                       update_finding, update_forensics)
+
+
+class _RootHook:
+    """A hook the root module carries: it calls the watcher (held weakly) for the root itself only.
+
+    The user's model holds it, so it must never stop them copying or saving the model: a deep copy
+    (a best-model snapshot, an EMA or ``AveragedModel`` copy) or a pickle (``torch.save(model)``) of it
+    is an inert ``functools.partial(sys.audit, ...)`` (a no-op without audit hooks), which needs
+    neither nanprobe nor the watcher to load.
+    """
+
+    __slots__ = ("_watcher", "_method", "_root")
+
+    def __init__(self, watcher: Watcher, method: str):
+        self._watcher = weakref.ref(watcher)
+        self._method = method
+        self._root = weakref.ref(watcher.root)
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        watcher = self._watcher()
+        if watcher is not None and module is self._root():
+            getattr(watcher, self._method)(module, *args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return functools.partial, (sys.audit, "nanprobe.watch.inert_hook")
 
 
 class Watcher:
@@ -56,6 +83,7 @@ class Watcher:
         self._scaled: set[int] = set()            # ids of GradScaler.scale outputs (noted unscaled already)
         self._checked = False                     # this step was checked already (in GradScaler.step)
         self._in_scaler_step = False              # inside the guarded optimizer's GradScaler.step
+        self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
         self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
         self._device_type = "cpu"
@@ -144,8 +172,8 @@ class Watcher:
                 self._note_out(loss)
 
     def _hook_root(self, root: torch.nn.Module) -> None:
-        self._root_hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._root_hooks.append(root.register_forward_hook(self._root_post))
+        self._root_hooks.append(root.register_forward_pre_hook(_RootHook(self, "_root_pre"), with_kwargs=True))
+        self._root_hooks.append(root.register_forward_hook(_RootHook(self, "_root_post")))
 
     def _make_guard(self, model: torch.nn.Module) -> None:
         self.guard = HookedGuard(command="watch", who="nanprobe watch", model=model, build_target=self._target,
@@ -158,13 +186,13 @@ class Watcher:
 
     # -- the root's calls --
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.busy and torch.is_grad_enabled():
+        if not self.busy and not self._in_closure and torch.is_grad_enabled():
             device = self._device_type
             dtype = str(torch.get_autocast_dtype(device))[6:] if torch.is_autocast_enabled(device) else None
             self._note_call(args, kwargs, dtype)
 
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
-        if not self.busy and torch.is_grad_enabled():
+        if not self.busy and not self._in_closure and torch.is_grad_enabled():
             self._note_out(find_loss(out))
 
     def _note_call(self, args: tuple, kwargs: dict, autocast: str | None) -> None:
@@ -181,6 +209,8 @@ class Watcher:
 
     # -- losses --
     def _note_loss(self, t: torch.Tensor) -> None:
+        if self._in_closure:
+            return
         if self.guard is not None:
             self.guard.note_loss(t)
         elif self.root is None:
@@ -251,13 +281,36 @@ class Watcher:
         return __init__
 
     # -- the optimizer step --
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.busy:
-            return
+            return None
         if self.optimizer is None:
             self.optimizer = opt
-        if opt is self.optimizer and not self._checked:
-            self._check(opt)
+        if opt is not self.optimizer or self._checked:
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, closure)
+        if callable(closure):   # LBFGS & co: the step's forward and backward happen inside step()
+            return self._guard_closure(opt, closure, args, kwargs)
+        self._check(opt)
+        return None
+
+    def _guard_closure(self, opt: torch.optim.Optimizer, closure: Any, args: tuple,
+                       kwargs: dict) -> tuple[tuple, dict]:
+        """The closure the optimizer gets instead: its first evaluation is the step's (checked before any
+        update; a bad step's gradients dropped there: no update); later ones (LBFGS's line search) are
+        not new steps."""
+        watcher = self
+
+        def guarded():
+            loss = closure()
+            if not watcher._checked:
+                watcher._check(opt)
+                watcher._checked = watcher._in_closure = True
+            return loss
+
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=guarded)
+        return (args[0], guarded, *args[2:]), kwargs
 
     def _check(self, opt: torch.optim.Optimizer) -> None:
         if self.optimizer is None:
@@ -290,7 +343,7 @@ class Watcher:
         self._step_done()
 
     def _step_done(self) -> None:
-        self._checked = False
+        self._checked = self._in_closure = False
         self._scaled.clear()
         self.steps += 1
         if self.guard is not None and self.guard.pending is not None:
@@ -319,7 +372,7 @@ class Watcher:
     # -- the bad step: what the live gradients and the optimizer say --
     def _on_bad(self, p: Pending) -> None:
         model = self.guard.model
-        named = [(n, q.grad) for n, q in model.named_parameters() if q.grad is not None]
+        named = [(n, local_value(q.grad)) for n, q in model.named_parameters() if q.grad is not None]
         rows: dict[str, dict[str, Any]] = {}
         if named:
             counts = torch.stack([(~torch.isfinite(g)).sum() for _, g in named]).tolist()   # one sync
