@@ -26,6 +26,7 @@ from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .precision import Precision, device_of, parse_precision
 from .sharding import full_value, weights_finite
+from .updates import describe, update_forensics, weights_flag
 from .state import RngTracker, capture_rng, module_tensor_attrs
 from .target import named
 
@@ -101,11 +102,13 @@ def distributed() -> tuple[int, int]:
 
 
 def rank_flags(loss: torch.Tensor | None, t_loss: float, norm: torch.Tensor | None, t_norm: float,
-               scaler_active: bool, device: torch.device, rank: int, world: int) -> torch.Tensor:
-    """[bad, first non-finite loss], all-reduced (MAX) over the default group: every rank skips the step
-    any rank saw, and learns the lowest rank whose own loss was non-finite (coded ``world - rank``; 0:
-    none), whose gradients every other rank received through the gradient reduction. Plain tensors on
-    ``device`` (never DTensors: a DTensor norm is reduced over its own mesh first)."""
+               scaler_active: bool, device: torch.device, rank: int, world: int,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[bad, first non-finite loss, weights], all-reduced (MAX) over the default group: every rank skips
+    the step any rank saw, learns the lowest rank whose own loss was non-finite (coded ``world - rank``;
+    0: none), whose gradients every other rank received through the gradient reduction, and whether the
+    last update made any rank's weights non-finite (``weights``: that rank's weights flag). Plain
+    tensors on ``device`` (never DTensors: a DTensor norm is reduced over its own mesh first)."""
     bad = torch.zeros((), dtype=torch.bool, device=device)
     loss_bad = torch.zeros((), dtype=torch.bool, device=device)
     if loss is not None:
@@ -116,7 +119,9 @@ def rank_flags(loss: torch.Tensor | None, t_loss: float, norm: torch.Tensor | No
         bad = bad | (ok & (norm > t_norm))
         if not scaler_active:
             bad = bad | ~ok
-    flag = torch.stack([bad.float(), loss_bad.float() * (world - rank)])
+    weights_bad = ~torch.isfinite(weights) if weights is not None else torch.zeros((), dtype=torch.bool,
+                                                                                   device=device)
+    flag = torch.stack([bad.float(), loss_bad.float() * (world - rank), weights_bad.float()])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return flag
 
@@ -233,6 +238,7 @@ class Guard:
         self._carried: dict[str, Any] = {}
         self._loss: torch.Tensor | None = None
         self._deferred = False              # inside a closure optimizer's step: it applies the update
+        self._update: tuple[int, torch.Tensor] | None = None   # the last checked update's weights flag
         self._needs_closure = next((type(o).__name__ for o in self.optimizers if _needs_closure(o)), None)
         self._consecutive = 0
         self._div = Divergence(Rules.of(cfg))   # the same divergence model as replay's and smoke's Judge
@@ -368,7 +374,10 @@ class Guard:
                     self._deferred = False
             return loss
 
-        self.optimizers[0].step(guarded)
+        opt = self.optimizers[0]
+        opt.step(guarded)
+        if verdict and verdict[0] and self.enabled and step % self.cfg.check_every == 0:
+            self._queue_update(step, [p for g in opt.param_groups for p in g["params"]])
         return verdict[0] if verdict else True
 
     def _apply(self, scaler: torch.amp.GradScaler | None) -> None:
@@ -406,7 +415,11 @@ class Guard:
             self._attrs = [a for a in module_tensor_attrs(_capsule.unwrap(self.model))]
         loss = self._loss
         rank, world = distributed()
-        loss_v, norm_v, others_bad, loss_rank = self._read(loss, norm, scaler, (rank, world) if world > 1 else None)
+        update, self._update = self._update, None
+        loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
+            loss, norm, scaler, (rank, world) if world > 1 else None, update[1] if update is not None else None)
+        if weights_bad:   # the last checked update made weights non-finite: name it (raises, but under "record")
+            self._update_born(update[0], rank)
         reason, status = self._judge(loss_v, norm_v, scaler is not None)
         scaler_skip = (scaler is not None and norm_v is not None and not math.isfinite(norm_v)
                        and reason is None)
@@ -434,16 +447,44 @@ class Guard:
         if reason is not None:
             return self._bad(step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm, rank, world)
         self._apply(scaler)
+        if not self._deferred:   # a closure optimizer updates after this returns: _closure_step queues it
+            self._queue_update(step, params)
         self._consecutive = 0
         self._add(loss_v, norm_v)
         self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=False))
         return True
 
+    def _queue_update(self, step: int, params: list[torch.Tensor]) -> None:
+        """The update of checked step ``step`` ran: its weights flag is read in the next check's sync."""
+        flag = weights_flag(params)
+        self._update = (step, flag) if flag is not None else None
+
+    def _update_born(self, step: int, rank: int) -> None:
+        """The update of step ``step`` made weights non-finite (seen in this check's sync): log it as that
+        step's event, naming the parameter, LR and optimizer state; raise unless the policy is record."""
+        names = {id(q): n for n, q in _capsule.unwrap(self.model).named_parameters()}
+        upd = update_forensics(self.optimizers, names)
+        rows = upd.get("nonfinite_parameters")
+        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made another rank's " \
+                                                  "weights non-finite"
+        command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {step}"
+        action = "recorded" if self.cfg.policy == "record" else "raised"
+        event = GuardEvent(step=step, status="nonfinite", reason=reason, action=action, local=bool(rows),
+                           capsule=None, command=command, rank=rank)
+        self.events.append(event)
+        logger.warning("nanprobe.Guard: %sstep %d: %s. Diagnose it: %s", f"rank {rank}: " if rank else "", step,
+                       reason, command)
+        if action == "raised":
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            raise GuardTripped(event, "the weights are non-finite")
+
     def _read(self, loss: torch.Tensor | None, norm: torch.Tensor | float | None,
-              scaler: torch.amp.GradScaler | None, distributed: tuple[int, int] | None
-              ) -> tuple[float | None, float | None, bool, int | None]:
-        """Loss and norm to the host in one sync; under torch.distributed (``(rank, world)``), the
-        all-reduced bad flag and the first rank whose loss was non-finite too."""
+              scaler: torch.amp.GradScaler | None, distributed: tuple[int, int] | None,
+              weights: torch.Tensor | None) -> tuple[float | None, float | None, bool, int | None, bool]:
+        """Loss, norm and the last update's weights flag to the host in one sync; under torch.distributed
+        (``(rank, world)``), the all-reduced bad flags (any rank's step, the first rank whose loss was
+        non-finite, any rank's weights) too."""
         parts: list[torch.Tensor] = []
         device = loss.device if loss is not None else (norm.device if isinstance(norm, torch.Tensor) else None)
         if loss is not None:
@@ -458,7 +499,10 @@ class Guard:
             nv = parts[-1][0] if norm_t is not None else (
                 torch.tensor(float(norm), device=device) if norm is not None else None)
             parts.append(rank_flags(parts[0][0] if loss is not None else None, self._t_loss, nv, self._t_norm,
-                                    scaler is not None, device, *distributed))
+                                    scaler is not None, device, *distributed,
+                                    weights=None if weights is None else weights.to(device)))
+        elif weights is not None:
+            parts.append(weights.reshape(1).to(device) if device is not None else weights.reshape(1))
         values = torch.cat(parts).tolist() if parts else []   # the one device sync
         i = 0
         loss_v = norm_v = None
@@ -469,8 +513,8 @@ class Guard:
         elif norm is not None:
             norm_v = float(norm)
         if not distributed:
-            return loss_v, norm_v, False, None
-        return loss_v, norm_v, bool(values[i] > 0), loss_rank_of(values[i + 1], distributed[1])
+            return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[i])
+        return loss_v, norm_v, bool(values[i] > 0), loss_rank_of(values[i + 1], distributed[1]), values[i + 2] > 0
 
     def _judge(self, loss: float | None, norm: float | None, scaler: bool) -> tuple[str | None, str]:
         """Non-finite values and spikes, as the replay's Judge decides them (a few comparisons here:

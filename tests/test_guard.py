@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from nanprobe.errors import ConfigError, UsageError
 from nanprobe.guard import Guard, GuardTripped
 
 ENTRY = asset("guard_nan.py")
+ASSETS_WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 BAD = 4
 
 
@@ -382,3 +384,31 @@ def test_the_model_and_optimizer_copy_and_save_as_usual_under_a_guard(tmp_path):
         pickle.loads(pickle.dumps((model, opt)))
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert guard.events == []
+
+
+@pytest.mark.parametrize("flag", [{}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"])
+def test_an_update_that_makes_weights_non_finite_is_named_at_its_own_step(tmp_path, flag):
+    """AdamW eps=0: rows of an embedding first used at step 6 whose gradient is 0 get 0/0 from the update
+    of step 6 (its loss and gradients are finite). The guard names step 6, the parameter, LR and eps."""
+    import runpy
+    import sys
+
+    sys.path.insert(0, str(ASSETS_WATCH))
+    Net = runpy.run_path(str(ASSETS_WATCH / "eps_zero.py"))["Net"]
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, **flag)
+    guard = Guard(model, opt, capsule_dir=tmp_path)
+    with pytest.raises(GuardTripped) as info:
+        for step in range(10):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            with guard.step((x, y)):
+                opt.zero_grad()
+                guard.backward(((model(x, torch.tensor([0, 1, 2, 0]).repeat(2) if step >= 6 else None) - y) ** 2)
+                               .mean())
+            guard.optimizer_step()
+            assert step < 6 or not all(torch.isfinite(p).all() for p in model.parameters())   # the oracle
+    event = info.value.event
+    assert (event.step, event.action, event.command) == (6, "raised", "nanprobe run ENTRY --at 6")
+    assert event.reason.startswith("the AdamW update of step 6 made the weights non-finite: ")
+    assert "of kind.weight (lr=0.01, eps=0); its Adam second moment has" in event.reason

@@ -244,3 +244,52 @@ def test_watch_checks_a_closure_optimizer_at_the_step_whose_closure_went_bad(tmp
     report = json.loads((tmp_path / "report.json").read_text())
     assert (report["step"], report["findings"][0]["cause"], report["findings"][0]["phase"]) == (3, "data", "input")
     assert all(torch.isfinite(v).all() for v in torch.load(tmp_path / "w.pt")["model"].values())
+
+
+# -- update-born: the step whose optimizer update made the weights non-finite ---------------------------------
+
+EPS_ZERO = WATCH / "eps_zero.py"
+
+
+def _plain_first_nonfinite_update(*args: str) -> int:
+    """The oracle: run the script alone and find the first step after whose update a weight is non-finite."""
+    seen: list[int] = []
+    steps = iter(range(1000))
+
+    def post(opt, a, kw):
+        step = next(steps)
+        if not seen and not all(torch.isfinite(p).all() for g in opt.param_groups for p in g["params"]):
+            seen.append(step)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(post)
+    try:
+        _run_plain(EPS_ZERO, *args)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("flag", [(), ("--optimizer-flag", "foreach"), ("--optimizer-flag", "fused")],
+                         ids=["for-loop", "foreach", "fused"])
+def test_watch_names_the_update_that_made_the_weights_non_finite_at_its_own_step(tmp_path, flag):
+    expected = _plain_first_nonfinite_update(*flag)
+    result = watch(["python", str(EPS_ZERO), *flag], dirpath=tmp_path, json_out=tmp_path / "report.json")
+    bad = result.events[0]
+    assert (bad.step, bad.action) == (expected, "raised")   # the weights cannot be recovered by skipping
+    assert bad.reason.startswith(f"the AdamW update of step {expected} made the weights non-finite: ")
+    assert "of kind.weight (lr=0.01, eps=0); its Adam second moment has" in bad.reason
+    report = json.loads((tmp_path / "report.json").read_text())
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["step"], origin["phase"], origin["module"], origin["parameter"]) == \
+        (expected, "update", "kind", "kind.weight")
+    assert (top["cause"], top["phase"], top["mechanism"]) == ("div", "update", "adam_second_moment")
+    assert "eps=1e-8" in top["fixes"][0]["code"] and bad.command == f"nanprobe run ENTRY --at {expected}"
+
+
+def test_watch_reads_the_last_update_at_the_end_of_the_script(tmp_path):
+    """The last step's update broke the weights: no later check reads its flag, the script's end does."""
+    result = watch(["python", str(EPS_ZERO), "--first-kind", "9", "--steps", "10"], dirpath=tmp_path)
+    assert [(e.step, e.status) for e in result.events] == [(9, "nonfinite")]
+    assert result.events[0].reason.startswith("the AdamW update of step 9 made the weights non-finite")

@@ -29,6 +29,7 @@ import datetime as _dt
 import logging
 import math
 import os
+import shlex
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -46,12 +47,13 @@ from ..errors import UsageError
 from ..feed import Position, Recorded
 from ..precision import device_of
 from ..replay import Reached, scheduler_info, storage_policy
-from ..report import Report, Status, StepRecord, dumps
+from ..report import Origin, Phase, Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
 from ..guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
 from ..sharding import full_value, sharded, weights_finite
+from ..updates import describe, update_finding, update_forensics, weights_flag
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
 
@@ -79,6 +81,7 @@ class Pending:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
     compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
     undiagnosed: str | None = None      # why this bad step gets no in-process diagnosis (``before`` is None)
+    report: Report | None = None        # made without a rerun (weights an applied update made non-finite)
 
 
 class HookedGuard:
@@ -126,6 +129,8 @@ class HookedGuard:
         self._items: list[Any] = []
         self._rng_after: list[dict[str, Any]] = []
         self._checked = True              # the step in progress is checked (check_every)
+        self._updating: tuple[int, list[torch.optim.Optimizer]] | None = None   # a checked good step's update
+        self._update: tuple[int, torch.Tensor, list] | None = None   # its weights flag, read at the next check
         self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
         self._carried: dict[str, Any] = {}
@@ -166,6 +171,28 @@ class HookedGuard:
         """The step is over (checked or not): drop what was captured for it."""
         self._items, self._rng_after, self._losses = [], [], []
 
+    def after_update(self) -> None:
+        """The framework applied the update of the last checked good step: queue the weights flag
+        (:func:`nanprobe.updates.weights_flag`, no sync) for the next check's one sync."""
+        updating, self._updating = self._updating, None
+        if updating is None or self.busy:
+            return
+        step, optimizers = updating
+        flag = weights_flag(p for opt in optimizers for g in opt.param_groups for p in g["params"])
+        self._update = (step, flag, optimizers) if flag is not None else None
+
+    def final_check(self) -> bool:
+        """Training ended: the last checked update's weights flag (one sync). True when that update made
+        weights non-finite: it is then the pending bad step (finish it)."""
+        update, self._update = self._update, None
+        if update is None or self.busy or math.isfinite(float(update[1])):
+            return False
+        step, _, optimizers = update
+        rank, world = self._world or distributed()
+        record = StepRecord(step=step, loss=None, grad_norm=None, lr=current_lr(optimizers), update_ratio=None,
+                            finite=False)
+        return self._update_born(step, record, rank, world, optimizers)
+
     # -- the check ------------------------------------------------------------------------------------
 
     def check(self, step: int, optimizers: list[torch.optim.Optimizer], *, norm: torch.Tensor | None = None,
@@ -200,11 +227,13 @@ class HookedGuard:
         if norm is None:
             norm = total_norm(grads_of(optimizers))
         norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
+        update, self._update = self._update, None
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
             self._world = distributed()
         rank, world = self._world
-        loss_v, norm_v, others_bad, loss_rank = self._read(self._losses, norm, scaler_active,
-                                                            (rank, world) if world > 1 else None)
+        loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
+            self._losses, norm, scaler_active, (rank, world) if world > 1 else None,
+            update[1] if update is not None else None)
         lr = current_lr(optimizers)
         skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
         # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
@@ -221,10 +250,13 @@ class HookedGuard:
         elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
             # this rank's loss is finite: its non-finite gradients came through the gradient reduction
             reason, local = rank_reason(reason or "bad step", loss_rank), False
+        if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
+            return self._update_born(update[0], record, rank, world, optimizers)
         if status is Status.FINITE:
             self.judge.add(record)
             self.history.append(record)
             self.consecutive = 0
+            self._updating = (step, optimizers)
             return False
         settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler_active}   # for the capsule
         return self._bad(step, status, reason or "bad step", local, record, position, rank, world, settings)
@@ -235,28 +267,31 @@ class HookedGuard:
         return self.judge.model.loss_cut(), self.judge.model.norm_cut()
 
     def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
-              scaler_active: bool, dist: tuple[int, int] | None
-              ) -> tuple[float | None, float | None, bool, int | None]:
-        """The step's losses (their sum), the norm and, under torch.distributed (``(rank, world)``), the
-        all-reduced bad flag and first rank with a non-finite loss to the host in one sync: one ``stack``
-        and one ``tolist`` (few ops: each costs microseconds)."""
+              scaler_active: bool, dist: tuple[int, int] | None, weights: torch.Tensor | None
+              ) -> tuple[float | None, float | None, bool, int | None, bool]:
+        """The step's losses (their sum), the norm, the last update's weights flag and, under
+        torch.distributed (``(rank, world)``), the all-reduced bad flags (any rank's step, the first rank
+        with a non-finite loss, any rank's weights) to the host in one sync: one ``stack`` and one
+        ``tolist`` (few ops: each costs microseconds)."""
         parts: list[torch.Tensor] = [t for t, _ in losses]
         scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
         parts += scales
         if norm is not None:
             parts.append(norm.detach())
+        if weights is not None and not dist:
+            parts.append(weights)
         if not parts:
             if not dist:
-                return None, None, False, None
-            flags = self._reduce_flag([], None, scaler_active, dist).tolist()
-            return None, None, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1])
+                return None, None, False, None, False
+            flags = self._reduce_flag([], None, scaler_active, dist, weights).tolist()
+            return None, None, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1]), bool(flags[2] > 0)
         device = parts[0].device
         if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
             parts = [t.float().reshape(()).to(device) for t in parts]
         stacked = torch.stack(parts)
         if dist:
             stacked = torch.cat([stacked, self._reduce_flag(losses, stacked[-1] if norm is not None else None,
-                                                            scaler_active, dist)])
+                                                            scaler_active, dist, weights)])
         values = stacked.tolist()   # the one device sync
         loss_v = None
         it = iter(values[len(losses):len(losses) + len(scales)])
@@ -268,11 +303,12 @@ class HookedGuard:
             loss_v = v if loss_v is None else _f32(loss_v + v)
         norm_v = values[len(losses) + len(scales)] if norm is not None else None
         if not dist:
-            return loss_v, norm_v, False, None
-        return loss_v, norm_v, bool(values[-2] > 0), loss_rank_of(values[-1], dist[1])
+            return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[-1])
+        return loss_v, norm_v, bool(values[-3] > 0), loss_rank_of(values[-2], dist[1]), bool(values[-1] > 0)
 
     def _reduce_flag(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]],
-                     nv: torch.Tensor | None, scaler_active: bool, dist: tuple[int, int]) -> torch.Tensor:
+                     nv: torch.Tensor | None, scaler_active: bool, dist: tuple[int, int],
+                     weights: torch.Tensor | None) -> torch.Tensor:
         """Bad on this rank (non-finite loss or gradient, a spike) and the first rank with a non-finite
         loss, all-reduced across ranks (:func:`nanprobe.guard.rank_flags`): every rank skips the step any
         rank saw."""
@@ -289,7 +325,48 @@ class HookedGuard:
             lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
                               for t, s in losses]).sum()
         return rank_flags(lv, t_loss, None if nv is None else nv.float().to(device), t_norm, scaler_active,
-                          device, *dist)
+                          device, *dist, weights=None if weights is None else weights.to(device))
+
+    def _update_born(self, step: int, record: StepRecord, rank: int, world: int,
+                     optimizers: list[torch.optim.Optimizer]) -> bool:
+        """The update of checked step ``step`` made weights non-finite (seen at the next check): that step
+        is the bad one. No rerun can start before an applied update: the report is made from the live
+        optimizer (parameter, LR, state); the current step's update is skipped and training stops."""
+        self.consecutive += 1
+        names = {id(q): n for n, q in self.model.named_parameters()}
+        upd = update_forensics(optimizers, names)
+        rows = upd.get("nonfinite_parameters")
+        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made another rank's " \
+                                                  "weights non-finite"
+        record = dataclasses.replace(record, step=step, finite=False)
+        report = None
+        if rows and self.reports < self.max_reports:
+            self.reports += 1
+            report = self._update_report(upd, step)
+        target = self.build_target()
+        self.pending = Pending(step=step, status=Status.NONFINITE, reason=reason, local=bool(rows), record=record,
+                               history=list(self.history), loop=Loop(target, self.entry or f"<{self.command}>",
+                                                                     target.precision),
+                               before=None, items=[], rng_after=[], position=None, capsule=None, capsule_note=None,
+                               corrupt=True, rank=rank, world=world, report=report)
+        self.history.append(record)
+        if self.on_bad is not None:
+            self.on_bad(self.pending)
+        return True
+
+    def _update_report(self, upd: dict[str, Any], step: int) -> Report:
+        first = upd["nonfinite_parameters"][0]
+        finding = update_finding(upd, step)
+        origin = Origin(phase=Phase.UPDATE, module=finding.module, op=None, precision=str(first.get("dtype")),
+                        kind=first.get("kind"), parameter=first["parameter"])
+        return Report(command=self.command, entry=self.entry or "ENTRY", step=step, status=Status.NONFINITE,
+                      device=str(device_of(self.model)), precision=str(first.get("dtype")), origin=origin,
+                      findings=(finding,), history=tuple(self.history),
+                      reached_by=f"{self.who} in the training process: the weights right after the update of "
+                                 f"step {step}",
+                      notes=(f"caught in the check of the next step (no sync of its own); the state before this "
+                             f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
+                             "the step from your checkpoint or step 0 and reruns the update instrumented",))
 
     def _bad(self, step: int, status: Status, reason: str, local: bool, record: StepRecord,
              position: Position | None, rank: int, world: int, settings: dict[str, Any]) -> bool:
@@ -378,16 +455,17 @@ class HookedGuard:
             return None
         report: Report | None = None
         error = None
-        if p.before is not None:
+        if p.before is not None or p.report is not None:
             try:
-                report = self._diagnose(p)
+                report = p.report if p.report is not None else self._diagnose(p)
                 if self.adjust is not None:
                     report = self.adjust(report, p)
             except Exception as exc:  # noqa: BLE001 - the user's training must not die of nanprobe's diagnosis
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self.logger.debug("in-process diagnosis failed", exc_info=True)
             finally:
-                p.before.release()
+                if p.before is not None:
+                    p.before.release()
         why = None
         if p.corrupt:
             why = "the weights are non-finite"
@@ -397,7 +475,8 @@ class HookedGuard:
             why = f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
                   f"{self.gcfg.max_consecutive_skips}"
         action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
-        command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else None
+        command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else \
+            f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None
         headline = _headline(report, p)
         path = None
         if report is not None:

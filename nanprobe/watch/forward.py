@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from ..feed import MicroBatches
-from ..report import Cause, Finding, Phase
 
 
 def find_loss(out: Any) -> torch.Tensor | None:
@@ -83,55 +82,4 @@ def params_module(opt: torch.optim.Optimizer) -> torch.nn.Module:
     return holder
 
 
-def update_forensics(opt: torch.optim.Optimizer | None, model: torch.nn.Module, corrupt: bool) -> dict[str, Any]:
-    """The optimizer's settings and, where an earlier update made weights non-finite, those parameters
-    with their optimizer state."""
-    if opt is None:
-        return {}
-    groups = []
-    for g in opt.param_groups:
-        groups.append({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else
-                           list(v) if isinstance(v, tuple) else v)
-                       for k, v in g.items() if k in ("lr", "eps", "weight_decay", "betas", "momentum")})
-    out: dict[str, Any] = {"optimizer": type(opt).__name__, "param_groups": groups}
-    if not corrupt:
-        return out
-    names = {id(q): n for n, q in model.named_parameters()}
-    bad = []
-    for gi, g in enumerate(opt.param_groups):
-        for q in g["params"]:
-            if bool(torch.isfinite(q.detach()).all()):
-                continue
-            row: dict[str, Any] = {"parameter": names.get(id(q), "?"), "group": gi,
-                                   "nonfinite": int((~torch.isfinite(q.detach())).sum())}
-            st = opt.state.get(q, {})
-            for key in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
-                v = st.get(key)
-                if isinstance(v, torch.Tensor):
-                    a = v.detach().float().abs()
-                    row[key] = {"min": float(a.min()), "max": float(a.max()), "zeros": int((a == 0).sum())}
-            if "step" in st:
-                row["step"] = float(st["step"])
-            bad.append(row)
-    out["nonfinite_parameters"] = bad
-    return out
-
-
-def update_finding(upd: dict[str, Any], step: int) -> Finding:
-    bad = upd["nonfinite_parameters"]
-    first = bad[0]
-    group = upd["param_groups"][first["group"]] if upd.get("param_groups") else {}
-    lines = [f"the weights were non-finite before step {step}: the {upd.get('optimizer')} update of step "
-             f"{max(step - 1, 0)} made {len(bad)} parameter(s) non-finite, first {first['parameter']} "
-             f"({first['nonfinite']} values)",
-             "optimizer settings: " + ", ".join(f"{k}={v}" for k, v in group.items())]
-    v = first.get("exp_avg_sq")
-    if v is not None:
-        lines.append(f"its Adam second moment: min {v['min']:.3g}, max {v['max']:.3g}, {v['zeros']} zero(s)"
-                     + (f" with eps={group.get('eps')}" if "eps" in group else ""))
-    return Finding(cause=Cause.LR_SPIKE, confidence=0.6, phase=Phase.UPDATE,
-                   module=first["parameter"].rpartition(".")[0] or None, op=None, evidence=tuple(lines))
-
-
-__all__ = ["ForwardStep", "find_loss", "batch_of", "update_forensics", "update_finding",
-           "device_of_module", "autocast_dtype", "params_module"]
+__all__ = ["ForwardStep", "find_loss", "batch_of", "device_of_module", "autocast_dtype", "params_module"]

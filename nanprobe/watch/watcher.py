@@ -19,13 +19,13 @@ from ..guard import POLICIES   # the guard's policies: a script has no "stop"
 from ..hooked import HookedGuard, HookEvent, skip_update, total_norm
 from ..hooked.guard import Pending
 from ..precision import Precision
-from ..report import Cause, Report, Status
+from ..report import Cause, Phase, Report, Status
 from ..sharding import local_value
 from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
-from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, params_module,
-                      update_finding, update_forensics)
+from ..updates import update_finding, update_forensics
+from .forward import ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, params_module
 
 
 class _RootHook:
@@ -346,8 +346,10 @@ class Watcher:
         self._checked = self._in_closure = False
         self._scaled.clear()
         self.steps += 1
-        if self.guard is not None and self.guard.pending is not None:
-            self._finish()
+        if self.guard is not None:
+            self.guard.after_update()
+            if self.guard.pending is not None:
+                self._finish()
 
     def _finish(self) -> None:
         g = self.guard
@@ -366,7 +368,7 @@ class Watcher:
 
     def finish_at_exit(self) -> None:
         """The script ended with a caught bad step not yet diagnosed (its update was the GradScaler's to skip)."""
-        if self.guard is not None and self.guard.pending is not None:
+        if self.guard is not None and (self.guard.pending is not None or self.guard.final_check()):
             self._finish()
 
     # -- the bad step: what the live gradients and the optimizer say --
@@ -386,7 +388,8 @@ class Watcher:
         p.extra["gradients"] = {"nonfinite_modules": [r for r in rows.values() if r["nonfinite"]],
                                 "note": "non-finite gradient values per module in the live step (before it was "
                                         "skipped)"}
-        p.extra["update"] = update_forensics(self.optimizer, model, p.corrupt)
+        names = {id(q): n for n, q in model.named_parameters()}
+        p.extra["update"] = update_forensics([self.optimizer], names, weights=p.corrupt)
 
     def _adjust(self, report: Report, p: Pending) -> Report:
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
@@ -404,8 +407,8 @@ class Watcher:
                 where = ", ".join(r["module"] or "(root)" for r in grads[:4])
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
         upd = p.extra.get("update", {})
-        if upd.get("nonfinite_parameters"):
-            findings.insert(0, update_finding(upd, p.step))
+        if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
+            findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
         status = p.status if report.status is Status.FINITE else report.status
         return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status)
 
