@@ -419,7 +419,7 @@ class Guard:
         loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
             loss, norm, scaler, (rank, world) if world > 1 else None, update[1] if update is not None else None)
         if weights_bad:   # the last checked update made weights non-finite: name it (raises, but under "record")
-            self._update_born(update[0], rank)
+            self._update_born(update[0], rank, world)
         reason, status = self._judge(loss_v, norm_v, scaler is not None)
         scaler_skip = (scaler is not None and norm_v is not None and not math.isfinite(norm_v)
                        and reason is None)
@@ -459,14 +459,14 @@ class Guard:
         flag = weights_flag(params)
         self._update = (step, flag) if flag is not None else None
 
-    def _update_born(self, step: int, rank: int) -> None:
+    def _update_born(self, step: int, rank: int, world: int) -> None:
         """The update of step ``step`` made weights non-finite (seen in this check's sync): log it as that
         step's event, naming the parameter, LR and optimizer state; raise unless the policy is record."""
         names = {id(q): n for n, q in _capsule.unwrap(self.model).named_parameters()}
         upd = update_forensics(self.optimizers, names)
         rows = upd.get("nonfinite_parameters")
-        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made another rank's " \
-                                                  "weights non-finite"
+        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made the weights " \
+                                                  "non-finite" + (" on another rank" if world > 1 else "")
         command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {step}"
         action = "recorded" if self.cfg.policy == "record" else "raised"
         event = GuardEvent(step=step, status="nonfinite", reason=reason, action=action, local=bool(rows),

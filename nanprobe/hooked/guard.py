@@ -336,8 +336,8 @@ class HookedGuard:
         names = {id(q): n for n, q in self.model.named_parameters()}
         upd = update_forensics(optimizers, names)
         rows = upd.get("nonfinite_parameters")
-        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made another rank's " \
-                                                  "weights non-finite"
+        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made the weights " \
+                                                  "non-finite" + (" on another rank" if world > 1 else "")
         record = dataclasses.replace(record, step=step, finite=False)
         report = None
         if rows and self.reports < self.max_reports:
