@@ -36,7 +36,10 @@ def batch_of(args: tuple, kwargs: dict, autocast: str | None) -> dict[str, Any]:
 class ForwardStep:
     """What ``watch`` reruns without the script's loss_fn: the root module's forward on the captured
     inputs, under the autocast dtype the script used, and its backward when the output holds the loss.
-    No optimizer step: the update is the script's."""
+    No optimizer step: the update is the script's. Its capsules say so (``form``): ``nanprobe run ENTRY
+    --capsule`` reruns them this way, whatever the ENTRY's loss_fn."""
+
+    form = "watch_forward"
 
     def __init__(self, device_type: str):
         self.device_type = device_type
