@@ -106,7 +106,20 @@ def test_watch_cli_keeps_the_script_output_and_exit_code(tmp_path, monkeypatch):
     assert lines[0].startswith("nanprobe watch: step 10: non-finite values born in forward at (model) "
                                f"(aten.log.default, own_trainer.py:{LOG_LINE}); cause log (0.90); update skipped. "
                                "Report: ")
-    assert all(line.startswith("nanprobe watch: step ") for line in lines)
+    assert all(line.startswith("nanprobe watch: step ") for line in lines[:-1])
+    assert re.fullmatch(r"nanprobe watch: 1 process, 16 optimizer step\(s\) seen, \d+ bad step\(s\), 1 report\(s\) "
+                        r"written \(first: .*\.json\)", lines[-1])
+
+
+def test_watch_warns_when_it_saw_no_optimizer_step(tmp_path):
+    """A hand-written update (no torch.optim optimizer): watch says it checked nothing, never silence."""
+    script = tmp_path / "by_hand.py"
+    script.write_text("import torch\nw = torch.ones(3, requires_grad=True)\nfor _ in range(3):\n"
+                      "    (w * w).sum().backward()\n    with torch.no_grad():\n        w -= 0.1 * w.grad\n"
+                      "    w.grad = None\n")
+    res = runner.invoke(app, ["watch", "--dir", str(tmp_path / "r"), "--", "python", str(script)])
+    assert res.exit_code == 0
+    assert res.stderr.splitlines()[-1].startswith("nanprobe watch: warning: no optimizer step was seen")
 
 
 def test_watch_policy_raise_stops_the_script_after_the_report(tmp_path, capsys):
