@@ -306,3 +306,20 @@ def test_watch_reads_the_last_update_at_the_end_of_the_script(tmp_path):
     result = watch(["python", str(EPS_ZERO), "--first-kind", "9", "--steps", "10"], dirpath=tmp_path)
     assert [(e.step, e.status) for e in result.events] == [(9, "nonfinite")]
     assert result.events[0].reason.startswith("the AdamW update of step 9 made the weights non-finite")
+
+
+def test_watch_explains_a_nan_born_in_a_criterion_module_outside_the_model(tmp_path, capsys):
+    """The loss lives in a criterion the loop calls after the model: the model's outputs are finite and
+    the autograd graph from the loss back to them holds the one op that can make a NaN (log)."""
+    script = WATCH / "criterion.py"
+    _run_plain(script)
+    expected = _first_nan(capsys.readouterr().out)   # the script alone: its loss is first NaN at this step
+    result = watch(["python", str(script)], dirpath=tmp_path, json_out=tmp_path / "report.json")
+    assert result.events[0].step == expected and result.root == "RateNet"
+    report = json.loads((tmp_path / "report.json").read_text())
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["step"], origin["phase"], origin["module"], origin["op"]) == \
+        (expected, "forward", "(loss outside the model)", "aten.log")
+    assert (top["cause"], top["phase"]) == ("log", "forward")
+    assert top["evidence"][0].startswith("the root module's outputs are finite")
+    assert report["loss_outside_model"]["ops"][:2] == ["MeanBackward0", "SubBackward0"]

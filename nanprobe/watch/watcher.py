@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import weakref
@@ -25,7 +26,8 @@ from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
 from ..updates import update_finding, update_forensics
-from .forward import ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, params_module
+from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
+                      ops_between, output_tensors, params_module)
 
 
 class _RootHook:
@@ -84,6 +86,8 @@ class Watcher:
         self._checked = False                     # this step was checked already (in GradScaler.step)
         self._in_scaler_step = False              # inside the guarded optimizer's GradScaler.step
         self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
+        self._outputs: list[torch.Tensor] = []    # the root's output tensors in this step (by reference)
+        self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
         self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
         self._device_type = "cpu"
@@ -194,6 +198,7 @@ class Watcher:
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         if not self.busy and not self._in_closure and torch.is_grad_enabled():
             self._note_out(find_loss(out))
+            self._outputs.extend(output_tensors(out))   # by reference, until the step is over
 
     def _note_call(self, args: tuple, kwargs: dict, autocast: str | None) -> None:
         g = self.guard
@@ -211,6 +216,8 @@ class Watcher:
     def _note_loss(self, t: torch.Tensor) -> None:
         if self._in_closure:
             return
+        if t.grad_fn is not None:
+            self._loss_nodes.append(t.grad_fn)   # its graph, for a bad step's loss outside the model
         if self.guard is not None:
             self.guard.note_loss(t)
         elif self.root is None:
@@ -345,6 +352,7 @@ class Watcher:
     def _step_done(self) -> None:
         self._checked = self._in_closure = False
         self._scaled.clear()
+        self._outputs, self._loss_nodes = [], []
         self.steps += 1
         if self.guard is not None:
             self.guard.after_update()
@@ -390,6 +398,16 @@ class Watcher:
                                         "skipped)"}
         names = {id(q): n for n, q in model.named_parameters()}
         p.extra["update"] = update_forensics([self.optimizer], names, weights=p.corrupt)
+        loss = p.record.loss
+        if self._outputs and self._loss_nodes and loss is not None and not math.isfinite(loss):
+            outs = [local_value(t.detach()) for t in self._outputs if t.numel()]
+            amax = torch.stack([t.float().abs().amax() for t in outs]).amax() if outs else torch.tensor(0.0)
+            stop = {id(t.grad_fn) for t in self._outputs if t.grad_fn is not None}
+            finite = bool(torch.isfinite(amax))
+            p.extra["loss_outside_model"] = {   # non-finite numbers as strings: the report stays valid JSON
+                "outputs_finite": finite, "max_abs": float(amax) if finite else str(float(amax)), "loss": str(loss),
+                "kind": "nan" if math.isnan(loss) else "inf", "dtype": str(outs[0].dtype)[6:] if outs else None,
+                "ops": ops_between(self._loss_nodes, stop)}
 
     def _adjust(self, report: Report, p: Pending) -> Report:
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
@@ -406,11 +424,18 @@ class Watcher:
             if grads:
                 where = ", ".join(r["module"] or "(root)" for r in grads[:4])
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
+        outside = loss_outside_finding(p.extra.get("loss_outside_model") or {}) \
+            if report.origin is None and not loss_in_forward else None
+        origin = report.origin
+        if outside is not None:
+            findings.insert(0, outside[0])
+            origin = outside[1]
+            notes = [n for n in notes if not n.startswith("the loss is computed outside")]
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
             findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
         status = p.status if report.status is Status.FINITE else report.status
-        return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status)
+        return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status, origin=origin)
 
     # -- the target the diagnosis reruns --
     def _target(self) -> Target:
