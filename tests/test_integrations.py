@@ -192,6 +192,51 @@ def test_lightning_policies_stop_or_raise_after_the_report(tmp_path, policy):
     assert _report(cb.events[0])["findings"][0]["cause"] == "div"
 
 
+class EpsZeroRegressor(Regressor):
+    """AdamW with eps=0 and a "kind" embedding first used at step 6: its rows with zero gradient get
+    0/0 from that step's update (the step's loss and gradients are finite)."""
+
+    def __init__(self):
+        super().__init__(relative_from_epoch=None)
+        self.kind = nn.Embedding(5, 16, padding_idx=0)
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        h = self.net[1](self.net[0](x))
+        if self.global_step >= 6:
+            h = h + self.kind(ids % 3)
+        return F.mse_loss(self.net[2](h).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=0.0)
+
+
+def test_lightning_names_the_update_that_made_the_weights_non_finite_at_its_own_step(tmp_path):
+    from nanprobe.hooked import Stopped
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    class FirstBroken(L.Callback):   # the oracle, in a run without nanprobe
+        step = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.step is None and not all(torch.isfinite(p).all() for p in pl_module.parameters()):
+                self.step = trainer.global_step - 1
+
+    oracle = FirstBroken()
+    torch.manual_seed(0)
+    _fit(EpsZeroRegressor(), [oracle], tmp_path, max_epochs=2)
+    torch.manual_seed(0)
+    cb = NanprobeCallback(dirpath=tmp_path / "reports")
+    with pytest.raises(Stopped, match="the weights are non-finite"):
+        _fit(EpsZeroRegressor(), [cb], tmp_path, max_epochs=2)
+    event = cb.events[0]
+    assert oracle.step is not None and event.step == oracle.step
+    assert event.reason.startswith(f"the AdamW update of step {oracle.step} made the weights non-finite: ")
+    report = _report(event)
+    assert (report["origin"]["phase"], report["origin"]["parameter"], report["findings"][0]["cause"]) == \
+        ("update", "kind.weight", "div")
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_path, precision):
     from nanprobe.integrations.lightning import NanprobeCallback
