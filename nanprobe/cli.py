@@ -418,6 +418,7 @@ def watch_cmd(command: CommandArg = None, json_out: JsonOpt = None, policy: Watc
         log.propagate = True
     if result.error and result.events and result.events[-1].action == "raised":
         print(result.error, file=sys.stderr)
+    print(result.summary(), file=sys.stderr)
     raise typer.Exit(result.exit_code)
 
 

@@ -85,6 +85,11 @@ def _reasons(reached: Reached, reruns: list[tuple[str, StepTrace]], again: StepT
         out.append(f"the step changes state it keeps between calls in place ({', '.join(changed[:4])}): nanprobe "
                    "restores rebound values, not tensors overwritten in place")
     first = reruns[0][1]
+    if reached.compiled:
+        out.append("the original step ran torch.compile'd kernels and the reruns run eagerly: fused kernels "
+                   "round and order float sums differently, so a value at the edge of a dtype's range can be "
+                   "non-finite in one and finite in the other (not state nanprobe missed); to see whether the run "
+                   "fails eagerly too, run it with TORCH_COMPILE_DISABLE=1")
     if again is not None and first.record is not None and again.record is not None:
         reruns_agree = _same(first.record.loss, again.record.loss, rtol) and \
             _same(first.record.grad_norm, again.record.grad_norm, rtol)
@@ -93,7 +98,7 @@ def _reasons(reached: Reached, reruns: list[tuple[str, StepTrace]], again: StepT
                        "nanprobe does not capture (a global variable, an object outside the model and the step "
                        "function: e.g. a hidden state or a counter kept on another object), or it runs "
                        "nondeterministic ops")
-        else:
+        elif not reached.compiled:
             out.append("the reruns agree with each other but not with the replayed step: something the step reads "
                        "changed when the replay ran it (state kept outside the model and the step function, data "
                        "that changes when re-read)")

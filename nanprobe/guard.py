@@ -7,6 +7,7 @@ one line with the exact ``nanprobe run ENTRY --capsule PATH`` command, and train
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -24,6 +25,8 @@ from .config import Config, GuardConfig, _build, load_config
 from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .precision import Precision, device_of, parse_precision
+from .sharding import full_value, weights_finite
+from .updates import describe, update_forensics, weights_flag
 from .state import RngTracker, capture_rng, module_tensor_attrs
 from .target import named
 
@@ -96,6 +99,39 @@ def distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def rank_flags(loss: torch.Tensor | None, t_loss: float, norm: torch.Tensor | None, t_norm: float,
+               scaler_active: bool, device: torch.device, rank: int, world: int,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[bad, first non-finite loss, weights], all-reduced (MAX) over the default group: every rank skips
+    the step any rank saw, learns the lowest rank whose own loss was non-finite (coded ``world - rank``;
+    0: none), whose gradients every other rank received through the gradient reduction, and whether the
+    last update made any rank's weights non-finite (``weights``: that rank's weights flag). Plain
+    tensors on ``device`` (never DTensors: a DTensor norm is reduced over its own mesh first)."""
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    loss_bad = torch.zeros((), dtype=torch.bool, device=device)
+    if loss is not None:
+        loss_bad = ~torch.isfinite(loss)
+        bad = bad | loss_bad | (loss > t_loss)
+    if norm is not None:
+        ok = torch.isfinite(norm)
+        bad = bad | (ok & (norm > t_norm))
+        if not scaler_active:
+            bad = bad | ~ok
+    weights_bad = ~torch.isfinite(weights) if weights is not None else torch.zeros((), dtype=torch.bool,
+                                                                                   device=device)
+    flag = torch.stack([bad.float(), loss_bad.float() * (world - rank), weights_bad.float()])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag
+
+
+def loss_rank_of(code: float, world: int) -> int | None:
+    return world - int(code) if code > 0 else None
+
+
+def rank_reason(reason: str, loss_rank: int) -> str:
+    return f"{reason}: rank {loss_rank}'s loss was non-finite and its gradients reached every rank"
 
 
 def check_guard_config(cfg: GuardConfig, where: str) -> None:
@@ -201,6 +237,9 @@ class Guard:
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # module tensor attributes
         self._carried: dict[str, Any] = {}
         self._loss: torch.Tensor | None = None
+        self._deferred = False              # inside a closure optimizer's step: it applies the update
+        self._update: tuple[int, torch.Tensor] | None = None   # the last checked update's weights flag
+        self._needs_closure = next((type(o).__name__ for o in self.optimizers if _needs_closure(o)), None)
         self._consecutive = 0
         self._div = Divergence(Rules.of(cfg))   # the same divergence model as replay's and smoke's Judge
         self._losses, self._norms = self._div.loss.values, self._div.norm.values
@@ -267,15 +306,27 @@ class Guard:
         (scaler.scale(loss) if scaler is not None else loss).backward(**kwargs)
 
     def optimizer_step(self, max_grad_norm: float | None = None, *,
-                       grad_norm: torch.Tensor | float | None = None) -> bool:
+                       grad_norm: torch.Tensor | float | None = None, closure: Any = None) -> bool:
         """Clip (if ``max_grad_norm``), check the loss and global gradient norm, then step or skip.
 
         Returns True when the update was applied (step the scheduler then), False when it was
         skipped (by the guard, or by the GradScaler lowering its scale). Pass ``grad_norm`` if
         you computed the total norm yourself (after unscaling) to save one pass over the gradients.
+
+        A closure optimizer (``LBFGS``, or any ``optimizer.step(closure)``): pass the closure
+        (``zero_grad``, forward, backward, return the loss) and call this inside ``with
+        guard.step(batch):``. The optimizer calls it as it would; the guard checks the loss and the
+        gradients of its first evaluation, before any update, and when the step is bad drops those
+        gradients there (no update: LBFGS stops at a zero gradient, the others skip parameters
+        without one). No evaluation is added.
         """
         step = self.step_index
+        if closure is None and self._needs_closure:
+            raise UsageError(f"{self._needs_closure}.step() needs a closure", "Guard.optimizer_step()",
+                             "Pass it: guard.optimizer_step(closure=closure), inside with guard.step(batch):")
         try:
+            if closure is not None:
+                return self._closure_step(step, closure, max_grad_norm)
             return self._optimizer_step(step, max_grad_norm, grad_norm)
         finally:
             self._current = None
@@ -311,8 +362,33 @@ class Guard:
                 if "already been called" not in str(exc):
                     raise
 
+    def _closure_step(self, step: int, closure: Any, max_grad_norm: float | None) -> bool:
+        if len(self.optimizers) != 1 or self._active_scaler() is not None:
+            raise UsageError("Guard.optimizer_step(closure=...) with several optimizers or a GradScaler",
+                             "nanprobe.Guard", "A closure steps one optimizer (GradScaler.step takes no closure)")
+        verdict: list[bool] = []
+
+        def guarded():
+            with torch.enable_grad():
+                loss = closure()
+            if not verdict:   # the first evaluation: the step's loss and gradients, before any update
+                if self.enabled and self._loss is None and isinstance(loss, torch.Tensor):
+                    self._loss = loss.detach().float().reshape(())
+                self._deferred = True   # the optimizer applies (or not) the update it is computing
+                try:
+                    verdict.append(self._optimizer_step(step, max_grad_norm, None))
+                finally:
+                    self._deferred = False
+            return loss
+
+        opt = self.optimizers[0]
+        opt.step(guarded)
+        if verdict and verdict[0] and self.enabled and step % self.cfg.check_every == 0:
+            self._queue_update(step, [p for g in opt.param_groups for p in g["params"]])
+        return verdict[0] if verdict else True
+
     def _apply(self, scaler: torch.amp.GradScaler | None) -> None:
-        if not self.optimizers:
+        if not self.optimizers or self._deferred:
             return
         if scaler is not None:
             for opt in self.optimizers:
@@ -339,13 +415,18 @@ class Guard:
         if not checked:
             self._apply(scaler)
             return True
+        norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
 
         self._rngs.end_step()
         if self._attrs is None:   # after the first step's forward: tensors modules keep as attributes
             self._attrs = [a for a in module_tensor_attrs(_capsule.unwrap(self.model))]
         loss = self._loss
         rank, world = distributed()
-        loss_v, norm_v, others_bad = self._read(loss, norm, scaler, world > 1)
+        update, self._update = self._update, None
+        loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
+            loss, norm, scaler, (rank, world) if world > 1 else None, update[1] if update is not None else None)
+        if weights_bad:   # the last checked update made weights non-finite: name it (raises, but under "record")
+            self._update_born(update[0], rank, world)
         reason, status = self._judge(loss_v, norm_v, scaler is not None)
         scaler_skip = (scaler is not None and norm_v is not None and not math.isfinite(norm_v)
                        and reason is None)
@@ -353,6 +434,9 @@ class Guard:
         if reason is None and others_bad:
             reason, status = "another rank saw a non-finite value or spike at this step", "nonfinite"
             local = False
+        elif reason is not None and loss_rank is not None and loss_rank != rank and math.isfinite(loss_v or 0.0):
+            # this rank's loss is finite: its non-finite gradients came through the gradient reduction
+            reason, local = rank_reason(reason, loss_rank), False
         else:
             local = True
         if reason is None and scaler_skip:
@@ -370,14 +454,44 @@ class Guard:
         if reason is not None:
             return self._bad(step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm, rank, world)
         self._apply(scaler)
+        if not self._deferred:   # a closure optimizer updates after this returns: _closure_step queues it
+            self._queue_update(step, params)
         self._consecutive = 0
         self._add(loss_v, norm_v)
         self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=False))
         return True
 
+    def _queue_update(self, step: int, params: list[torch.Tensor]) -> None:
+        """The update of checked step ``step`` ran: its weights flag is read in the next check's sync."""
+        flag = weights_flag(params)
+        self._update = (step, flag) if flag is not None else None
+
+    def _update_born(self, step: int, rank: int, world: int) -> None:
+        """The update of step ``step`` made weights non-finite (seen in this check's sync): log it as that
+        step's event, naming the parameter, LR and optimizer state; raise unless the policy is record."""
+        names = {id(q): n for n, q in _capsule.unwrap(self.model).named_parameters()}
+        upd = update_forensics(self.optimizers, names)
+        rows = upd.get("nonfinite_parameters")
+        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made the weights " \
+                                                  "non-finite" + (" on another rank" if world > 1 else "")
+        command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {step}"
+        action = "recorded" if self.cfg.policy == "record" else "raised"
+        event = GuardEvent(step=step, status="nonfinite", reason=reason, action=action, local=bool(rows),
+                           capsule=None, command=command, rank=rank)
+        self.events.append(event)
+        logger.warning("nanprobe.Guard: %sstep %d: %s. Diagnose it: %s", f"rank {rank}: " if rank else "", step,
+                       reason, command)
+        if action == "raised":
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            raise GuardTripped(event, "the weights are non-finite")
+
     def _read(self, loss: torch.Tensor | None, norm: torch.Tensor | float | None,
-              scaler: torch.amp.GradScaler | None, distributed: bool) -> tuple[float | None, float | None, bool]:
-        """Loss and norm to the host in one sync; under torch.distributed, the all-reduced bad flag too."""
+              scaler: torch.amp.GradScaler | None, distributed: tuple[int, int] | None,
+              weights: torch.Tensor | None) -> tuple[float | None, float | None, bool, int | None, bool]:
+        """Loss, norm and the last update's weights flag to the host in one sync; under torch.distributed
+        (``(rank, world)``), the all-reduced bad flags (any rank's step, the first rank whose loss was
+        non-finite, any rank's weights) too."""
         parts: list[torch.Tensor] = []
         device = loss.device if loss is not None else (norm.device if isinstance(norm, torch.Tensor) else None)
         if loss is not None:
@@ -389,20 +503,13 @@ class Guard:
             if device is None:
                 device = torch.device("cuda", torch.cuda.current_device()) \
                     if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-            bad = torch.zeros((), dtype=torch.bool, device=device)
-            if loss is not None:
-                lv = parts[0][0]
-                bad = bad | ~torch.isfinite(lv) | (lv > self._t_loss)
             nv = parts[-1][0] if norm_t is not None else (
                 torch.tensor(float(norm), device=device) if norm is not None else None)
-            if nv is not None:
-                finite = torch.isfinite(nv)
-                bad = bad | (finite & (nv > self._t_norm))
-                if scaler is None:
-                    bad = bad | ~finite
-            flag = bad.float().reshape(1)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            parts.append(flag)
+            parts.append(rank_flags(parts[0][0] if loss is not None else None, self._t_loss, nv, self._t_norm,
+                                    scaler is not None, device, *distributed,
+                                    weights=None if weights is None else weights.to(device)))
+        elif weights is not None:
+            parts.append(weights.reshape(1).to(device) if device is not None else weights.reshape(1))
         values = torch.cat(parts).tolist() if parts else []   # the one device sync
         i = 0
         loss_v = norm_v = None
@@ -412,8 +519,9 @@ class Guard:
             norm_v, i = values[i], i + 1
         elif norm is not None:
             norm_v = float(norm)
-        others = bool(values[i] > 0) if distributed else False
-        return loss_v, norm_v, others
+        if not distributed:
+            return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[i])
+        return loss_v, norm_v, bool(values[i] > 0), loss_rank_of(values[i + 1], distributed[1]), values[i + 2] > 0
 
     def _judge(self, loss: float | None, norm: float | None, scaler: bool) -> tuple[str | None, str]:
         """Non-finite values and spikes, as the replay's Judge decides them (a few comparisons here:
@@ -437,18 +545,12 @@ class Guard:
     def _lr(self) -> float | None:
         return current_lr(self.optimizers)
 
-    def _weights_finite(self) -> bool:
-        params = [p.detach() for p in _capsule.unwrap(self.model).parameters()]
-        if not params:
-            return True
-        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
-
     def _bad(self, step: int, reason: str, status: str, local: bool, loss_v: float | None, norm_v: float | None,
              lr: float | None, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None,
              rank: int, world: int) -> bool:
         policy = self.cfg.policy
         self._consecutive += 1
-        corrupt = not self._weights_finite()   # rare path: a sync here is fine
+        corrupt = not weights_finite(_capsule.unwrap(self.model))   # rare path: a sync here is fine
         if corrupt:
             local = True
             last = max(step - 1, 0)
@@ -570,6 +672,15 @@ class Guard:
                 logger.warning("nanprobe.Guard: ignoring %r from the loaded state: not a capsule this guard wrote "
                                "in %s (it will never be deleted)", p, self.capsule_dir)
         self.capsules = capsules
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """``opt.step`` has a ``closure`` parameter without a default (LBFGS)."""
+    try:
+        param = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def _hist(step: int, loss: float | None, norm: float | None, lr: float | None, *, finite: bool,

@@ -64,6 +64,7 @@ class Reached:
     before: list[Recorded] = field(default_factory=list)   # the recent steps' inputs, oldest first
     onset: int | None = None           # an earlier excursion that recovered (run without --at)
     excursions: list[str] = field(default_factory=list)     # what each recovered excursion was
+    compiled: bool = False             # the original step ran torch.compile'd code; the reruns are eager
 
     @property
     def position(self) -> Position | None:

@@ -97,7 +97,8 @@ def headline(report: Report, steps_run: int | None = None) -> str:
     o = report.origin
     if o is not None:
         where = f", {os.path.basename(o.source)}" if o.source else ""   # file:line, the file's name only
-        text += f" born in {o.phase.value} at {o.module or '(model)'} ({o.node or o.op}{where})"
+        what = o.node or o.op or (f"parameter {o.parameter}" if o.parameter else None)
+        text += f" born in {o.phase.value} at {o.module or '(model)'} ({what}{where})"
     top = report.top
     if top is not None:
         text += f"; cause {top.cause.value} ({top.confidence:.2f})"

@@ -93,7 +93,11 @@ class Target:
 
     @property
     def form(self) -> str:
-        return "step_fn" if self.step_fn is not None else "loss_fn"
+        """How the capsule's micro-batches are fed: "loss_fn", "step_fn", or the step_fn's own ``form``
+        ("watch_forward": the root module's inputs, see nanprobe.watch.ForwardStep)."""
+        if self.step_fn is None:
+            return "loss_fn"
+        return str(getattr(self.step_fn, "form", "step_fn"))
 
 
 def named(obj: Any, base: str) -> list[tuple[str, Any]]:

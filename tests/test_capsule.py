@@ -215,3 +215,14 @@ def test_write_never_replaces_an_existing_file(tmp_path, monkeypatch):
     assert path.name == f"step0000003-rank0-fixed-1{C.SUFFIX}"
     assert taken.read_bytes() == b"the user's own file"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([taken.name, path.name])   # no temp file left
+
+
+def test_compiled_and_ddp_wrappers_are_unwrapped_for_names_and_state():
+    import torch.nn as nn
+
+    from nanprobe.capsule import fingerprint, unwrap
+
+    net = nn.Sequential(nn.Linear(2, 3))
+    compiled = torch.compile(net)   # compiles lazily: nothing runs here
+    assert unwrap(compiled) is net
+    assert fingerprint(compiled) == [["0.weight", [3, 2]], ["0.bias", [3]]]   # no "_orig_mod." prefix

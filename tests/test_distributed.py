@@ -60,3 +60,62 @@ def test_all_ranks_skip_the_same_step_and_write_their_own_capsule(tmp_path):
     names = sorted(p.name for p in tmp_path.glob("*.capsule.pt"))
     assert len(names) == 2
     assert any("-rank0-" in n for n in names) and any("-rank1-" in n for n in names)
+
+
+# -- FSDP2 (fully_shard): DTensor gradients; the same weights as without nanprobe ---------------------------
+
+FSDP2 = Path(__file__).resolve().parent / "assets" / "watch" / "fsdp2_trainer.py"
+BAD_FSDP = 2
+
+
+def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+    import runpy
+
+    from nanprobe.watch import watch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      CAPSULES=str(Path(out_dir, "guard")), CLIP="1.0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        seen = {}
+        for name, bad, guarded, watched in [("plain", -1, False, False), ("guard", -1, True, False),
+                                             ("watch", -1, False, True), ("guard_bad", BAD_FSDP, True, False),
+                                             ("watch_bad", BAD_FSDP, False, True)]:
+            os.environ.update(BAD_STEP=str(bad), GUARD="1" if guarded else "0", OUT=str(Path(out_dir, name + ".pt")))
+            if watched:
+                result = watch(["python", str(FSDP2)], dirpath=Path(out_dir, name))
+                seen[name] = [[e.step, e.local, e.reason, e.action] for e in result.events]
+            else:
+                runpy.run_path(str(FSDP2), run_name="__main__")
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_fsdp2_guard_and_watch_keep_healthy_weights_and_name_the_rank_that_broke(tmp_path):
+    mp.spawn(_fsdp2_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    plain = torch.load(tmp_path / "plain.pt")
+    for name in ("guard", "watch"):   # healthy: bitwise the weights of the plain loop
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert plain.keys() == got.keys() and all(torch.equal(plain[k], got[k]) for k in plain), name
+    for name in ("guard_bad", "watch_bad"):
+        assert all(torch.isfinite(v).all() for v in torch.load(tmp_path / f"{name}.pt").values())
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r1["watch_bad"] == [[BAD_FSDP, True, "loss is nan", "skipped"]]   # rank 1's own loss
+    # rank 0's gradients are NaN too (the reduction carried them): it names rank 1 as the origin
+    assert r0["watch_bad"] == [[BAD_FSDP, False, "gradient norm is nan: rank 1's loss was non-finite and its "
+                                                  "gradients reached every rank", "skipped"]]
+    assert r0["watch"] == r1["watch"] == []
+    caps = sorted(p.name for p in (tmp_path / "guard").glob("*.capsule.pt"))
+    assert [c.split("-")[:2] for c in caps] == [[f"step{BAD_FSDP:07d}", "rank0"], [f"step{BAD_FSDP:07d}", "rank1"]]
+    # a rank's capsule holds the full weights: it replays on one process, on the unsharded model
+    from nanprobe.diagnose import diagnose
+
+    rank1 = next((tmp_path / "guard").glob("*-rank1-*.capsule.pt"))
+    report = diagnose(f"{FSDP2.parent / 'fsdp2_entry.py'}:target", capsule=rank1)
+    assert (report.step, report.top.cause.value, report.top.phase.value) == (BAD_FSDP, "data", "input")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from nanprobe.errors import ConfigError, UsageError
 from nanprobe.guard import Guard, GuardTripped
 
 ENTRY = asset("guard_nan.py")
+ASSETS_WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 BAD = 4
 
 
@@ -357,3 +359,85 @@ def test_clipping_with_two_param_groups_is_bitwise_the_users_own(tmp_path):
             guard.backward(F.cross_entropy(model(x), y))
         assert guard.optimizer_step(max_grad_norm=0.5)
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+
+
+def _lbfgs_run(guard_dir, nan_at=()):
+    """LBFGS (its step() evaluates the closure several times): the plain loop, or the guarded one."""
+    model, _ = _tiny()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    guard = Guard(model, opt, capsule_dir=guard_dir) if guard_dir else None
+    applied = []
+    for batch in _batches(6, nan_at=nan_at):
+        def closure(batch=batch):
+            opt.zero_grad()
+            loss = _loss(model, batch)
+            loss.backward()
+            return loss
+        if guard is None:
+            opt.step(closure)
+            continue
+        with guard.step(batch):
+            applied.append(guard.optimizer_step(closure=closure))
+    return model, guard, applied
+
+
+def test_closure_optimizer_healthy_is_the_plain_loop_and_a_bad_first_evaluation_is_skipped(tmp_path):
+    plain, _, _ = _lbfgs_run(None)
+    guarded, guard, applied = _lbfgs_run(tmp_path)
+    assert applied == [True] * 6 and guard.events == []
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), guarded.state_dict().values()))
+    model, guard, applied = _lbfgs_run(tmp_path, nan_at={3})
+    assert applied == [True, True, True, False, True, True]
+    assert [(e.step, e.reason, e.action) for e in guard.events] == [(3, "loss is nan", "skipped")]
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and read(guard.events[0].capsule).step == 3
+    with pytest.raises(UsageError, match=r"LBFGS.step\(\) needs a closure"):
+        guard.optimizer_step()
+
+
+def test_the_model_and_optimizer_copy_and_save_as_usual_under_a_guard(tmp_path):
+    import io
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model, opt = _tiny()
+    guard = Guard(model, opt, capsule_dir=tmp_path)
+    averaged = AveragedModel(model)
+    for batch in _batches(3):
+        with guard.step(batch):
+            opt.zero_grad()
+            guard.backward(_loss(model, batch))
+        guard.optimizer_step()
+        averaged.update_parameters(copy.deepcopy(model))
+        torch.save(model, io.BytesIO())
+        pickle.loads(pickle.dumps((model, opt)))
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert guard.events == []
+
+
+@pytest.mark.parametrize("flag", [{}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"])
+def test_an_update_that_makes_weights_non_finite_is_named_at_its_own_step(tmp_path, flag):
+    """AdamW eps=0: rows of an embedding first used at step 6 whose gradient is 0 get 0/0 from the update
+    of step 6 (its loss and gradients are finite). The guard names step 6, the parameter, LR and eps."""
+    import runpy
+    import sys
+
+    sys.path.insert(0, str(ASSETS_WATCH))
+    Net = runpy.run_path(str(ASSETS_WATCH / "eps_zero.py"))["Net"]
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, **flag)
+    guard = Guard(model, opt, capsule_dir=tmp_path)
+    with pytest.raises(GuardTripped) as info:
+        for step in range(10):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            with guard.step((x, y)):
+                opt.zero_grad()
+                guard.backward(((model(x, torch.tensor([0, 1, 2, 0]).repeat(2) if step >= 6 else None) - y) ** 2)
+                               .mean())
+            guard.optimizer_step()
+            assert step < 6 or not all(torch.isfinite(p).all() for p in model.parameters())   # the oracle
+    event = info.value.event
+    assert (event.step, event.action, event.command) == (6, "raised", "nanprobe run ENTRY --at 6")
+    assert event.reason.startswith("the AdamW update of step 6 made the weights non-finite: ")
+    assert "of kind.weight (lr=0.01, eps=0); its Adam second moment has" in event.reason

@@ -50,6 +50,22 @@ def _equal_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _copy_and_save(model: nn.Module, averaged: list) -> None:
+    """What training code does with its model between steps: a best-model snapshot, an AveragedModel
+    (SWA/EMA), torch.save of the whole module, a state_dict round trip."""
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    copy.deepcopy(model)
+    if not averaged:
+        averaged.append(AveragedModel(model))
+    averaged[0].update_parameters(model)
+    torch.save(model, io.BytesIO())
+    model.load_state_dict(copy.deepcopy(model.state_dict()))
+
+
 # -- Lightning ----------------------------------------------------------------------------------------------
 
 L = _framework("lightning")
@@ -176,19 +192,70 @@ def test_lightning_policies_stop_or_raise_after_the_report(tmp_path, policy):
     assert _report(cb.events[0])["findings"][0]["cause"] == "div"
 
 
+class EpsZeroRegressor(Regressor):
+    """AdamW with eps=0 and a "kind" embedding first used at step 6: its rows with zero gradient get
+    0/0 from that step's update (the step's loss and gradients are finite)."""
+
+    def __init__(self):
+        super().__init__(relative_from_epoch=None)
+        self.kind = nn.Embedding(5, 16, padding_idx=0)
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        h = self.net[1](self.net[0](x))
+        if self.global_step >= 6:
+            h = h + self.kind(ids % 3)
+        return F.mse_loss(self.net[2](h).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=0.0)
+
+
+def test_lightning_names_the_update_that_made_the_weights_non_finite_at_its_own_step(tmp_path):
+    from nanprobe.hooked import Stopped
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    class FirstBroken(L.Callback):   # the oracle, in a run without nanprobe
+        step = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.step is None and not all(torch.isfinite(p).all() for p in pl_module.parameters()):
+                self.step = trainer.global_step - 1
+
+    oracle = FirstBroken()
+    torch.manual_seed(0)
+    _fit(EpsZeroRegressor(), [oracle], tmp_path, max_epochs=2)
+    torch.manual_seed(0)
+    cb = NanprobeCallback(dirpath=tmp_path / "reports")
+    with pytest.raises(Stopped, match="the weights are non-finite"):
+        _fit(EpsZeroRegressor(), [cb], tmp_path, max_epochs=2)
+    event = cb.events[0]
+    assert oracle.step is not None and event.step == oracle.step
+    assert event.reason.startswith(f"the AdamW update of step {oracle.step} made the weights non-finite: ")
+    report = _report(event)
+    assert (report["origin"]["phase"], report["origin"]["parameter"], report["findings"][0]["cause"]) == \
+        ("update", "kind.weight", "div")
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_path, precision):
     from nanprobe.integrations.lightning import NanprobeCallback
+
+    class Copies(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _copy_and_save(pl_module, averaged)
 
     finals = []
     for with_callback in (False, True):
         torch.manual_seed(0)
         module = Regressor(relative_from_epoch=None)
         cb = NanprobeCallback(dirpath=tmp_path / "reports")
-        _fit(module, [cb] if with_callback else [], tmp_path, precision=precision, accumulate_grad_batches=3,
-             gradient_clip_val=0.5)
+        averaged: list = []
+        _fit(module, [cb, Copies()] if with_callback else [Copies()], tmp_path, precision=precision,
+             accumulate_grad_batches=3, gradient_clip_val=0.5)
         finals.append({k: v.clone() for k, v in module.state_dict().items()})
-    assert _equal_state(finals[0], finals[1])
+        finals.append({k: v.clone() for k, v in averaged[0].state_dict().items()})
+    assert _equal_state(finals[0], finals[2]) and _equal_state(finals[1], finals[3])
     assert cb.events == [] and not (tmp_path / "reports").exists()
     assert cb._guard.checks == 9   # 8 batches per epoch in steps of 3, 3 and 2 micro-batches, 3 epochs
 
@@ -299,15 +366,21 @@ def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(t
     micro-batches are harmless then), clipping, the linear schedule."""
     from nanprobe.integrations.transformers import NanprobeCallback
 
+    class Copies(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            _copy_and_save(model, averaged)
+
     finals = []
     for with_callback in (False, True):
         model = _gpt2()
         cb = NanprobeCallback(dirpath=tmp_path / "reports")
-        trainer = _hf_trainer(model, SFTData(cut=(2,)), [cb] if with_callback else [], tmp_path, bf16=True,
-                              gradient_accumulation_steps=2, max_grad_norm=0.5)
+        averaged: list = []
+        trainer = _hf_trainer(model, SFTData(cut=(2,)), [cb, Copies()] if with_callback else [Copies()], tmp_path,
+                              bf16=True, gradient_accumulation_steps=2, max_grad_norm=0.5)
         trainer.train()
         finals.append({k: v.clone() for k, v in model.state_dict().items()})
-    assert _equal_state(finals[0], finals[1])
+        finals.append({k: v.clone() for k, v in averaged[0].state_dict().items()})
+    assert _equal_state(finals[0], finals[2]) and _equal_state(finals[1], finals[3])
     assert cb.events == [] and cb._guard.checks == 6 and not (tmp_path / "reports").exists()
     assert "training_step" not in vars(trainer)   # the instance wrapper is gone after train()
 

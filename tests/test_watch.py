@@ -106,7 +106,20 @@ def test_watch_cli_keeps_the_script_output_and_exit_code(tmp_path, monkeypatch):
     assert lines[0].startswith("nanprobe watch: step 10: non-finite values born in forward at (model) "
                                f"(aten.log.default, own_trainer.py:{LOG_LINE}); cause log (0.90); update skipped. "
                                "Report: ")
-    assert all(line.startswith("nanprobe watch: step ") for line in lines)
+    assert all(line.startswith("nanprobe watch: step ") for line in lines[:-1])
+    assert re.fullmatch(r"nanprobe watch: 1 process, 16 optimizer step\(s\) seen, \d+ bad step\(s\), 1 report\(s\) "
+                        r"written \(first: .*\.json\)", lines[-1])
+
+
+def test_watch_warns_when_it_saw_no_optimizer_step(tmp_path):
+    """A hand-written update (no torch.optim optimizer): watch says it checked nothing, never silence."""
+    script = tmp_path / "by_hand.py"
+    script.write_text("import torch\nw = torch.ones(3, requires_grad=True)\nfor _ in range(3):\n"
+                      "    (w * w).sum().backward()\n    with torch.no_grad():\n        w -= 0.1 * w.grad\n"
+                      "    w.grad = None\n")
+    res = runner.invoke(app, ["watch", "--dir", str(tmp_path / "r"), "--", "python", str(script)])
+    assert res.exit_code == 0
+    assert res.stderr.splitlines()[-1].startswith("nanprobe watch: warning: no optimizer step was seen")
 
 
 def test_watch_policy_raise_stops_the_script_after_the_report(tmp_path, capsys):
@@ -205,3 +218,108 @@ def test_watch_under_ddp_all_ranks_skip_the_step_one_rank_saw(tmp_path):
     assert r0["events"] == [[BAD_ON_RANK1, False, 0, "skipped", False]]   # rank 0 skipped it with rank 1
     w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(w0[k], w1[k]) and torch.isfinite(w0[k]).all() for k in w0)   # still in sync, finite
+
+
+# -- never break a healthy run: copies, saves, closure optimizers ------------------------------------------------
+
+COPIES = WATCH / "copies.py"
+
+
+def _run_plain(script: Path, *args: str) -> None:
+    argv, path0 = list(sys.argv), sys.path[0]
+    sys.argv, sys.path[0] = [str(script), *args], str(script.parent)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[0] = argv, path0
+
+
+@pytest.mark.parametrize("optimizer", [(), ("--lbfgs",)], ids=["adamw", "lbfgs"])
+def test_watch_lets_the_script_copy_average_and_save_its_model_with_the_same_weights(tmp_path, optimizer):
+    """deepcopy (best model, EMA), AveragedModel, torch.save(model), pickles that load without nanprobe,
+    state_dict round trips; LBFGS's closure: bitwise the weights of the script alone."""
+    _run_plain(COPIES, "--out", str(tmp_path / "plain.pt"), *optimizer)
+    result = watch(["python", str(COPIES), "--out", str(tmp_path / "watched.pt"), *optimizer],
+                   dirpath=tmp_path / "reports")
+    assert result.exit_code == 0 and result.error is None and result.events == () and result.steps == 6
+    plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    for part in plain:
+        assert all(torch.equal(plain[part][k], watched[part][k]) for k in plain[part]), part
+
+
+def test_watch_checks_a_closure_optimizer_at_the_step_whose_closure_went_bad(tmp_path):
+    """LBFGS evaluates its closure several times in one step(): the first evaluation is the step's,
+    checked before any update (the step is 3, not 4, and its weights stay finite)."""
+    result = watch(["python", str(COPIES), "--out", str(tmp_path / "w.pt"), "--lbfgs", "--bad-step", "3"],
+                   dirpath=tmp_path / "reports", json_out=tmp_path / "report.json")
+    assert result.exit_code == 0 and result.steps == 6
+    assert [(e.step, e.reason, e.action) for e in result.events] == [(3, "loss is nan", "skipped")]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["step"], report["findings"][0]["cause"], report["findings"][0]["phase"]) == (3, "data", "input")
+    assert all(torch.isfinite(v).all() for v in torch.load(tmp_path / "w.pt")["model"].values())
+
+
+# -- update-born: the step whose optimizer update made the weights non-finite ---------------------------------
+
+EPS_ZERO = WATCH / "eps_zero.py"
+
+
+def _plain_first_nonfinite_update(*args: str) -> int:
+    """The oracle: run the script alone and find the first step after whose update a weight is non-finite."""
+    seen: list[int] = []
+    steps = iter(range(1000))
+
+    def post(opt, a, kw):
+        step = next(steps)
+        if not seen and not all(torch.isfinite(p).all() for g in opt.param_groups for p in g["params"]):
+            seen.append(step)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(post)
+    try:
+        _run_plain(EPS_ZERO, *args)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("flag", [(), ("--optimizer-flag", "foreach"), ("--optimizer-flag", "fused")],
+                         ids=["for-loop", "foreach", "fused"])
+def test_watch_names_the_update_that_made_the_weights_non_finite_at_its_own_step(tmp_path, flag):
+    expected = _plain_first_nonfinite_update(*flag)
+    result = watch(["python", str(EPS_ZERO), *flag], dirpath=tmp_path, json_out=tmp_path / "report.json")
+    bad = result.events[0]
+    assert (bad.step, bad.action) == (expected, "raised")   # the weights cannot be recovered by skipping
+    assert bad.reason.startswith(f"the AdamW update of step {expected} made the weights non-finite: ")
+    assert "of kind.weight (lr=0.01, eps=0); its Adam second moment has" in bad.reason
+    report = json.loads((tmp_path / "report.json").read_text())
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["step"], origin["phase"], origin["module"], origin["parameter"]) == \
+        (expected, "update", "kind", "kind.weight")
+    assert (top["cause"], top["phase"], top["mechanism"]) == ("div", "update", "adam_second_moment")
+    assert "eps=1e-8" in top["fixes"][0]["code"] and bad.command == f"nanprobe run ENTRY --at {expected}"
+
+
+def test_watch_reads_the_last_update_at_the_end_of_the_script(tmp_path):
+    """The last step's update broke the weights: no later check reads its flag, the script's end does."""
+    result = watch(["python", str(EPS_ZERO), "--first-kind", "9", "--steps", "10"], dirpath=tmp_path)
+    assert [(e.step, e.status) for e in result.events] == [(9, "nonfinite")]
+    assert result.events[0].reason.startswith("the AdamW update of step 9 made the weights non-finite")
+
+
+def test_watch_explains_a_nan_born_in_a_criterion_module_outside_the_model(tmp_path, capsys):
+    """The loss lives in a criterion the loop calls after the model: the model's outputs are finite and
+    the autograd graph from the loss back to them holds the one op that can make a NaN (log)."""
+    script = WATCH / "criterion.py"
+    _run_plain(script)
+    expected = _first_nan(capsys.readouterr().out)   # the script alone: its loss is first NaN at this step
+    result = watch(["python", str(script)], dirpath=tmp_path, json_out=tmp_path / "report.json")
+    assert result.events[0].step == expected and result.root == "RateNet"
+    report = json.loads((tmp_path / "report.json").read_text())
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["step"], origin["phase"], origin["module"], origin["op"]) == \
+        (expected, "forward", "(loss outside the model)", "aten.log")
+    assert (top["cause"], top["phase"]) == ("log", "forward")
+    assert top["evidence"][0].startswith("the root module's outputs are finite")
+    assert report["loss_outside_model"]["ops"][:2] == ["MeanBackward0", "SubBackward0"]

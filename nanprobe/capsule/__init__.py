@@ -15,7 +15,7 @@ Writing streams each tensor from its own memory (CUDA tensors through host memor
 reading maps the file, so neither holds a second full copy of the state.
 """
 
-from .codec import decode_batch, encode_batch, fingerprint, rng_from_safe, rng_to_safe, safe_value, unwrap
+from .codec import compiled_graphs, decode_batch, encode_batch, fingerprint, rng_from_safe, rng_to_safe, safe_value, unwrap
 from .io import (FORMAT, SUFFIX, Capsule, build, carried_attrs, list_capsules, no_room, prune, read, record_dict,
                  replay_command, to_record, write)
 from .restore import build_from_reached, capsule_reach, check_model, reach_for_step, reach_from_capsule
@@ -23,4 +23,4 @@ from .restore import build_from_reached, capsule_reach, check_model, reach_for_s
 __all__ = ["Capsule", "build", "write", "read", "check_model", "reach_from_capsule", "reach_for_step", "capsule_reach",
            "list_capsules", "fingerprint", "encode_batch", "decode_batch", "rng_to_safe", "rng_from_safe",
            "safe_value", "unwrap", "record_dict", "to_record", "replay_command", "no_room", "prune", "carried_attrs",
-           "build_from_reached", "FORMAT", "SUFFIX"]
+           "build_from_reached", "compiled_graphs", "FORMAT", "SUFFIX"]

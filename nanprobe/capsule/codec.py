@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CapsuleError
+from ..sharding import full_value
 
 _TAG = "__nanprobe__"
 
@@ -26,11 +27,21 @@ _TAG = "__nanprobe__"
 # -- the model fingerprint ------------------------------------------------------------------------
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DistributedDataParallel / DataParallel wrappers (their state has no prefix)."""
-    inner = getattr(model, "module", None)
-    if isinstance(inner, torch.nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
-        return inner
-    return model
+    """The module inside DistributedDataParallel / DataParallel and ``torch.compile`` wrappers (their
+    state has no ``module.`` or ``_orig_mod.`` prefix), in any nesting."""
+    while True:
+        kind = type(model).__name__
+        inner = getattr(model, "_orig_mod" if kind == "OptimizedModule" else "module", None)
+        if not isinstance(inner, torch.nn.Module) or kind not in ("DistributedDataParallel", "DataParallel",
+                                                                  "OptimizedModule"):
+            return model
+        model = inner
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has compiled in this process (0 where it was never used: no import)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
 
 
 def fingerprint(model: torch.nn.Module) -> list[list[Any]]:
@@ -64,7 +75,7 @@ _PLAIN = (bool, int, float, str, bytes, type(None), complex)
 def safe_value(obj: Any, dropped: list[str], path: str = "") -> Any:
     """``obj`` with only types torch.load(weights_only=True) accepts; what cannot be kept is listed."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach()
+        return full_value(obj.detach())   # a DTensor shard: the full tensor (every rank gathers it)
     if isinstance(obj, enum.Enum):
         return safe_value(obj.value, dropped, path)
     if isinstance(obj, _PLAIN):

@@ -27,7 +27,8 @@ from .. import __version__
 from ..errors import CapsuleError, short_path
 from ..precision import Precision, device_of, parse_precision
 from ..report import Status, StepRecord
-from .codec import encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
+from ..sharding import full_value
+from .codec import compiled_graphs, encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
 
 FORMAT = 2
 MAGIC = "nanprobe_capsule"
@@ -97,7 +98,8 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         "grad_scaler": bool(grad_scaler),
         "max_grad_norm": None if max_grad_norm is None else float(max_grad_norm),
         "fingerprint": fingerprint(module),
-        "model": OrderedDict((k, v.detach()) for k, v in module.state_dict().items()),
+        "compiled": compiled_graphs() > 0,   # the run used torch.compile: its numerics are not eager's
+        "model": OrderedDict((k, full_value(v.detach())) for k, v in module.state_dict().items()),
         "optimizers": [safe_value(o.state_dict(), dropped, f"optimizer[{i}]") for i, o in enumerate(optimizers)],
         # tensors the optimizers step outside the model: float32 master copies of fp16/bf16 weights
         "masters": _masters(module, optimizers),

@@ -7,6 +7,7 @@ from the capsule: what the guarded run really did; differences become notes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -188,8 +189,17 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
             notes.append(f"gradient clipping {mgn if mgn else 'off'} as in the guarded run "
                          f"(the entrypoint says max_grad_norm={target.max_grad_norm})")
             target.max_grad_norm = mgn
-    elif data.get("form") != "step_fn":
+    elif data.get("form") == "loss_fn":
         notes.append("the capsule was written by a loop without step_fn; replayed with this entrypoint's step_fn")
+    if data.get("form") == "watch_forward":   # the root module's inputs, not the loop's batch
+        from ..watch.forward import ForwardStep
+
+        target.step_fn, target.loss_fn = ForwardStep(device.type), None
+        target.accumulate = max(len(data.get("micro_batches") or ()), 1)
+        target.max_grad_norm, target.grad_scaler = None, False
+        notes.append("a nanprobe watch capsule: it holds the inputs of the script's root module, so the step "
+                     "reruns the model's forward on them (and its backward when the output holds the loss), as "
+                     "watch did; the entrypoint only builds the model and optimizer (its loss_fn is not used)")
     target.precision = prec
     loop = Loop(target, loaded.where, prec, policy or "native")
     _load_states(cap, target, loop, notes)
@@ -230,6 +240,8 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     if data.get("dropped"):
         notes.append(f"not stored in the capsule: {', '.join(map(str, data['dropped'][:3]))}")
     record = _field(cap, "record", lambda: to_record(dict(data.get("record") or {}, step=cap.step)))
+    if data.get("form") == "watch_forward":   # as watch compares: the forward rerun gives the root output's
+        record = dataclasses.replace(record, grad_norm=None)   # loss, not the norm of what the script backpropagated
     history = _field(cap, "history", lambda: [to_record(h) for h in data["history"] if isinstance(h, Mapping)])
     how = f"capsule {cap.path}" + (f" (found for --at {found_for})" if found_for is not None else "")
     if cap.world_size > 1:
@@ -238,7 +250,7 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     return Reached(step=cap.step, recorded=recorded, snapshot=snapshot, loop=loop, precision=prec, status=status,
                    reason=cap.reason, record=record if record.loss is not None or record.grad_norm is not None
                    else None, history=history, update_ratios={}, reached_by=how, notes=notes,
-                   policy=policy or "native", **scheduler_info(target))
+                   policy=policy or "native", compiled=bool(data.get("compiled", False)), **scheduler_info(target))
 
 
 def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None = None,

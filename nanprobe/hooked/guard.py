@@ -29,6 +29,7 @@ import datetime as _dt
 import logging
 import math
 import os
+import shlex
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -46,11 +47,13 @@ from ..errors import UsageError
 from ..feed import Position, Recorded
 from ..precision import device_of
 from ..replay import Reached, scheduler_info, storage_policy
-from ..report import Report, Status, StepRecord, dumps
+from ..report import Origin, Phase, Report, Status, StepRecord, dumps
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
-from ..guard import check_guard_config
+from ..guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
+from ..sharding import full_value, sharded, weights_finite
+from ..updates import describe, update_finding, update_forensics, weights_flag
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
 
@@ -77,6 +80,8 @@ class Pending:
     world: int
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
     compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
+    undiagnosed: str | None = None      # why this bad step gets no in-process diagnosis (``before`` is None)
+    report: Report | None = None        # made without a rerun (weights an applied update made non-finite)
 
 
 class HookedGuard:
@@ -124,6 +129,8 @@ class HookedGuard:
         self._items: list[Any] = []
         self._rng_after: list[dict[str, Any]] = []
         self._checked = True              # the step in progress is checked (check_every)
+        self._updating: tuple[int, list[torch.optim.Optimizer]] | None = None   # a checked good step's update
+        self._update: tuple[int, torch.Tensor, list] | None = None   # its weights flag, read at the next check
         self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
         self._carried: dict[str, Any] = {}
@@ -164,6 +171,28 @@ class HookedGuard:
         """The step is over (checked or not): drop what was captured for it."""
         self._items, self._rng_after, self._losses = [], [], []
 
+    def after_update(self) -> None:
+        """The framework applied the update of the last checked good step: queue the weights flag
+        (:func:`nanprobe.updates.weights_flag`, no sync) for the next check's one sync."""
+        updating, self._updating = self._updating, None
+        if updating is None or self.busy:
+            return
+        step, optimizers = updating
+        flag = weights_flag(p for opt in optimizers for g in opt.param_groups for p in g["params"])
+        self._update = (step, flag, optimizers) if flag is not None else None
+
+    def final_check(self) -> bool:
+        """Training ended: the last checked update's weights flag (one sync). True when that update made
+        weights non-finite: it is then the pending bad step (finish it)."""
+        update, self._update = self._update, None
+        if update is None or self.busy or math.isfinite(float(update[1])):
+            return False
+        step, _, optimizers = update
+        rank, world = self._world or distributed()
+        record = StepRecord(step=step, loss=None, grad_norm=None, lr=current_lr(optimizers), update_ratio=None,
+                            finite=False)
+        return self._update_born(step, record, rank, world, optimizers)
+
     # -- the check ------------------------------------------------------------------------------------
 
     def check(self, step: int, optimizers: list[torch.optim.Optimizer], *, norm: torch.Tensor | None = None,
@@ -197,10 +226,14 @@ class HookedGuard:
             self._attrs = module_tensor_attrs(self.model)
         if norm is None:
             norm = total_norm(grads_of(optimizers))
+        norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
+        update, self._update = self._update, None
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
             self._world = distributed()
         rank, world = self._world
-        loss_v, norm_v, others_bad = self._read(self._losses, norm, scaler_active, world > 1)
+        loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
+            self._losses, norm, scaler_active, (rank, world) if world > 1 else None,
+            update[1] if update is not None else None)
         lr = current_lr(optimizers)
         skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
         # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
@@ -214,10 +247,16 @@ class HookedGuard:
         if status is Status.FINITE and others_bad:
             status, reason, local = Status.NONFINITE, "another rank saw a non-finite value or spike at this step", \
                 False
+        elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
+            # this rank's loss is finite: its non-finite gradients came through the gradient reduction
+            reason, local = rank_reason(reason or "bad step", loss_rank), False
+        if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
+            return self._update_born(update[0], record, rank, world, optimizers)
         if status is Status.FINITE:
             self.judge.add(record)
             self.history.append(record)
             self.consecutive = 0
+            self._updating = (step, optimizers)
             return False
         settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler_active}   # for the capsule
         return self._bad(step, status, reason or "bad step", local, record, position, rank, world, settings)
@@ -228,23 +267,31 @@ class HookedGuard:
         return self.judge.model.loss_cut(), self.judge.model.norm_cut()
 
     def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
-              scaler_active: bool, dist: bool) -> tuple[float | None, float | None, bool]:
-        """The step's losses (their sum), the norm and, under torch.distributed, the all-reduced bad flag
-        to the host in one sync: one ``stack`` and one ``tolist`` (few ops: each costs microseconds)."""
+              scaler_active: bool, dist: tuple[int, int] | None, weights: torch.Tensor | None
+              ) -> tuple[float | None, float | None, bool, int | None, bool]:
+        """The step's losses (their sum), the norm, the last update's weights flag and, under
+        torch.distributed (``(rank, world)``), the all-reduced bad flags (any rank's step, the first rank
+        with a non-finite loss, any rank's weights) to the host in one sync: one ``stack`` and one
+        ``tolist`` (few ops: each costs microseconds)."""
         parts: list[torch.Tensor] = [t for t, _ in losses]
         scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
         parts += scales
         if norm is not None:
             parts.append(norm.detach())
+        if weights is not None and not dist:
+            parts.append(weights)
         if not parts:
-            return None, None, bool(self._reduce_flag([], None, scaler_active).item()) if dist else False
+            if not dist:
+                return None, None, False, None, False
+            flags = self._reduce_flag([], None, scaler_active, dist, weights).tolist()
+            return None, None, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1]), bool(flags[2] > 0)
         device = parts[0].device
         if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
             parts = [t.float().reshape(()).to(device) for t in parts]
         stacked = torch.stack(parts)
         if dist:
             stacked = torch.cat([stacked, self._reduce_flag(losses, stacked[-1] if norm is not None else None,
-                                                            scaler_active)])
+                                                            scaler_active, dist, weights)])
         values = stacked.tolist()   # the one device sync
         loss_v = None
         it = iter(values[len(losses):len(losses) + len(scales)])
@@ -255,12 +302,16 @@ class HookedGuard:
                 v = _f32(v / scale)
             loss_v = v if loss_v is None else _f32(loss_v + v)
         norm_v = values[len(losses) + len(scales)] if norm is not None else None
-        return loss_v, norm_v, bool(values[-1] > 0) if dist else False
+        if not dist:
+            return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[-1])
+        return loss_v, norm_v, bool(values[-3] > 0), loss_rank_of(values[-2], dist[1]), bool(values[-1] > 0)
 
     def _reduce_flag(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]],
-                     nv: torch.Tensor | None, scaler_active: bool) -> torch.Tensor:
-        """Bad on this rank (non-finite loss or gradient, a spike), all-reduced (MAX) across ranks: every
-        rank skips the step any rank saw."""
+                     nv: torch.Tensor | None, scaler_active: bool, dist: tuple[int, int],
+                     weights: torch.Tensor | None) -> torch.Tensor:
+        """Bad on this rank (non-finite loss or gradient, a spike) and the first rank with a non-finite
+        loss, all-reduced across ranks (:func:`nanprobe.guard.rank_flags`): every rank skips the step any
+        rank saw."""
         if losses:
             device = losses[0][0].device
         elif nv is not None:
@@ -269,31 +320,60 @@ class HookedGuard:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
         t_loss, t_norm = self._thresholds()
-        bad = torch.zeros((), dtype=torch.bool, device=device)
+        lv = None
         if losses:
             lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
                               for t, s in losses]).sum()
-            bad = bad | ~torch.isfinite(lv) | (lv > t_loss)
-        if nv is not None:
-            nv = nv.float().to(device)
-            ok = torch.isfinite(nv)
-            bad = bad | (ok & (nv > t_norm))
-            if not scaler_active:
-                bad = bad | ~ok
-        flag = bad.float().reshape(1)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return flag
+        return rank_flags(lv, t_loss, None if nv is None else nv.float().to(device), t_norm, scaler_active,
+                          device, *dist, weights=None if weights is None else weights.to(device))
 
-    def _weights_finite(self) -> bool:
-        params = [p.detach() for p in self.model.parameters()]
-        return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+    def _update_born(self, step: int, record: StepRecord, rank: int, world: int,
+                     optimizers: list[torch.optim.Optimizer]) -> bool:
+        """The update of checked step ``step`` made weights non-finite (seen at the next check): that step
+        is the bad one. No rerun can start before an applied update: the report is made from the live
+        optimizer (parameter, LR, state); the current step's update is skipped and training stops."""
+        self.consecutive += 1
+        names = {id(q): n for n, q in self.model.named_parameters()}
+        upd = update_forensics(optimizers, names)
+        rows = upd.get("nonfinite_parameters")
+        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made the weights " \
+                                                  "non-finite" + (" on another rank" if world > 1 else "")
+        record = dataclasses.replace(record, step=step, finite=False)
+        report = None
+        if rows and self.reports < self.max_reports:
+            self.reports += 1
+            report = self._update_report(upd, step)
+        target = self.build_target()
+        self.pending = Pending(step=step, status=Status.NONFINITE, reason=reason, local=bool(rows), record=record,
+                               history=list(self.history), loop=Loop(target, self.entry or f"<{self.command}>",
+                                                                     target.precision),
+                               before=None, items=[], rng_after=[], position=None, capsule=None, capsule_note=None,
+                               corrupt=True, rank=rank, world=world, report=report)
+        self.history.append(record)
+        if self.on_bad is not None:
+            self.on_bad(self.pending)
+        return True
+
+    def _update_report(self, upd: dict[str, Any], step: int) -> Report:
+        first = upd["nonfinite_parameters"][0]
+        finding = update_finding(upd, step)
+        origin = Origin(phase=Phase.UPDATE, module=finding.module, op=None, precision=str(first.get("dtype")),
+                        kind=first.get("kind"), parameter=first["parameter"])
+        return Report(command=self.command, entry=self.entry or "ENTRY", step=step, status=Status.NONFINITE,
+                      device=str(device_of(self.model)), precision=str(first.get("dtype")), origin=origin,
+                      findings=(finding,), history=tuple(self.history),
+                      reached_by=f"{self.who} in the training process: the weights right after the update of "
+                                 f"step {step}",
+                      notes=(f"caught in the check of the next step (no sync of its own); the state before this "
+                             f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
+                             "the step from your checkpoint or step 0 and reruns the update instrumented",))
 
     def _bad(self, step: int, status: Status, reason: str, local: bool, record: StepRecord,
              position: Position | None, rank: int, world: int, settings: dict[str, Any]) -> bool:
         self.consecutive += 1
         if self.policy != "record" and self._shadow:
             torch._foreach_copy_(self._buffers, self._shadow)   # BatchNorm statistics as before the step
-        corrupt = not self._weights_finite()   # rare path: a sync here is fine
+        corrupt = not weights_finite(self.model)   # rare path: a sync here is fine
         if corrupt:
             local = True
             reason = (f"{reason}, and the weights were already non-finite before this step: the optimizer update "
@@ -305,7 +385,13 @@ class HookedGuard:
         rng_after = list(self._rng_after)
         rng = rng_after[0] if rng_after else self.rngs.capture()
         # a step only another rank saw is finite here: the rank that saw it diagnoses it
-        before = self._take_before(loop, rng) if local and self.reports < self.max_reports else None
+        undiagnosed = None
+        if sharded(self.model):
+            undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP2), so no rank can rerun its "
+                           "step alone; replay the capsule (it holds the full weights)")
+        elif local and self.reports >= self.max_reports:
+            undiagnosed = "not diagnosed in-process: max_reports reached; replay the capsule"
+        before = self._take_before(loop, rng) if local and undiagnosed is None else None
         if before is not None:
             self.reports += 1
         path = note = None
@@ -318,7 +404,7 @@ class HookedGuard:
         self.pending = Pending(step=step, status=status, reason=reason, local=local, record=record,
                                 history=list(self.history), loop=loop, before=before, items=items,
                                 rng_after=rng_after, position=position, capsule=path, capsule_note=note,
-                                corrupt=corrupt, rank=rank, world=world)
+                                corrupt=corrupt, rank=rank, world=world, undiagnosed=undiagnosed)
         # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
         self.history.append(record)
         if self.on_bad is not None:
@@ -369,16 +455,17 @@ class HookedGuard:
             return None
         report: Report | None = None
         error = None
-        if p.before is not None:
+        if p.before is not None or p.report is not None:
             try:
-                report = self._diagnose(p)
+                report = p.report if p.report is not None else self._diagnose(p)
                 if self.adjust is not None:
                     report = self.adjust(report, p)
             except Exception as exc:  # noqa: BLE001 - the user's training must not die of nanprobe's diagnosis
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self.logger.debug("in-process diagnosis failed", exc_info=True)
             finally:
-                p.before.release()
+                if p.before is not None:
+                    p.before.release()
         why = None
         if p.corrupt:
             why = "the weights are non-finite"
@@ -388,7 +475,8 @@ class HookedGuard:
             why = f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
                   f"{self.gcfg.max_consecutive_skips}"
         action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
-        command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else None
+        command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else \
+            f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None
         headline = _headline(report, p)
         path = None
         if report is not None:
@@ -426,6 +514,7 @@ class HookedGuard:
                                                              position=p.position),
                               snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
                               reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
+                              compiled=_capsule.compiled_graphs() > 0,
                               **scheduler_info(target))
             loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
                             path=None, lineno=None)
@@ -476,9 +565,9 @@ def _headline(report: Report | None, p: Pending) -> str:
     from ..smoke import headline
 
     if report is None:
-        if p.before is not None or not p.local:
+        if p.undiagnosed is None or not p.local:
             return f"step {p.step}: {p.reason}"
-        return f"step {p.step}: {p.reason} (not diagnosed in-process: max_reports reached; replay the capsule)"
+        return f"step {p.step}: {p.reason} ({p.undiagnosed})"
     text = headline(report)
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
         text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"

@@ -315,6 +315,7 @@ class NanprobeCallback(_Base):
         if self._deferred is not None:   # Lightning did not clip after all: the step went unchecked
             self._deferred = None
             g.reset()
+        g.after_update()
         step, epoch = self._current or (int(trainer.global_step) - 1, int(trainer.current_epoch))
         self._current = None
         try:

@@ -279,6 +279,7 @@ class NanprobeCallback(_Base):
             return None
         self._stepped = False
         self._steps_in_epoch += 1
+        g.after_update()
         step, epoch = self._current or (int(state.global_step) - 1, self._epoch)
         self._current = None
         if g.pending is None:   # a good step

@@ -21,8 +21,15 @@ code untouched. While it runs:
   non-finite). The JSON report goes to ``dirpath`` (and ``--json OUT``); the log line names the
   ``nanprobe run ENTRY --capsule ...`` command for a full diagnosis with the script's own loss.
 
-Weights an earlier update made non-finite cannot be recovered by skipping: that raises into the
-script (as policy ``raise`` does).
+A closure optimizer (``LBFGS``) gets a wrapped closure through the step pre-hook: its first evaluation
+is the step's, checked before any update (a bad step's gradients are dropped there, so LBFGS stops
+and the others skip). After each checked update the weights flag (``nanprobe.updates``) is queued and
+read in the next check's sync (or when the script ends): an update that made weights non-finite is
+reported at its own step, with the parameter, LR and optimizer state. Such weights cannot be recovered
+by skipping: that raises into the script (as policy ``raise`` does).
+
+The root module carries two hooks; copies and pickles of it (``copy.deepcopy``, ``AveragedModel``,
+``torch.save(model)``) carry inert stdlib stand-ins. A sharded (FSDP2) model is not rerun in-process.
 """
 
 from .forward import ForwardStep, find_loss

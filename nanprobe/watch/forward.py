@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..feed import MicroBatches
-from ..report import Cause, Finding, Phase
+from ..report import Cause, Finding, Origin, Phase
 
 
 def find_loss(out: Any) -> torch.Tensor | None:
@@ -37,7 +37,10 @@ def batch_of(args: tuple, kwargs: dict, autocast: str | None) -> dict[str, Any]:
 class ForwardStep:
     """What ``watch`` reruns without the script's loss_fn: the root module's forward on the captured
     inputs, under the autocast dtype the script used, and its backward when the output holds the loss.
-    No optimizer step: the update is the script's."""
+    No optimizer step: the update is the script's. Its capsules say so (``form``): ``nanprobe run ENTRY
+    --capsule`` reruns them this way, whatever the ENTRY's loss_fn."""
+
+    form = "watch_forward"
 
     def __init__(self, device_type: str):
         self.device_type = device_type
@@ -63,6 +66,72 @@ class ForwardStep:
         return total
 
 
+_RISKY = {"log": Cause.LOG, "log1p": Cause.LOG, "log2": Cause.LOG, "log10": Cause.LOG, "xlogy": Cause.LOG,
+          "div": Cause.DIV, "reciprocal": Cause.DIV, "rsqrt": Cause.DIV, "sqrt": Cause.SQRT, "pow": Cause.DOMAIN,
+          "acos": Cause.DOMAIN, "asin": Cause.DOMAIN, "atanh": Cause.DOMAIN, "exp": Cause.OVERFLOW}
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The floating tensors a forward returned (tensor, tuple/list, dict or ModelOutput), by reference."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in output_tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in output_tensors(v)]
+    return []
+
+
+def ops_between(loss_nodes: list[Any], stop: set[int], limit: int = 400) -> list[str]:
+    """The autograd nodes from the backpropagated losses back to the root module's outputs (``stop``:
+    their grad_fn ids), nearest the loss first: the ops the script ran outside the model. The nodes
+    outlive backward (their saved tensors do not), so this costs nothing until a step goes bad."""
+    seen: set[int] = set()
+    names: list[str] = []
+    queue = [n for n in loss_nodes if n is not None]
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if id(node) in seen or id(node) in stop or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(id(node))
+        names.append(node.name())
+        queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return names
+
+
+def loss_outside_finding(info: dict[str, Any]) -> tuple[Finding, Origin] | None:
+    """The loss was computed outside the root module from finite outputs and came out non-finite: the
+    origin is among the ops in between (named from the graph's structure: the values are gone)."""
+    ops = info.get("ops") or []
+    risky = list(dict.fromkeys(base for base in (_base(n) for n in ops) if base in _RISKY))
+    if not info.get("outputs_finite") or not risky:
+        return None
+    lines = [f"the root module's outputs are finite (max |x| {info['max_abs']:.4g}) and the loss the script "
+             f"computed from them is {info['loss']}: the first non-finite value was born in the script's loss, "
+             "outside the model",
+             "ops between the model's outputs and the loss (autograd graph, nearest the loss first): "
+             + ", ".join(ops[:12]) + (" ..." if len(ops) > 12 else ""),
+             "read from the graph's structure (backward freed its values): for the op's inputs, source line and "
+             "samples, replay the capsule with an ENTRY whose loss_fn computes this loss"]
+    module = "(loss outside the model)"
+    if len(risky) == 1:
+        lines.insert(1, f"the only op among them that makes a non-finite value from finite inputs: {risky[0]}")
+    else:
+        lines.insert(1, f"ops among them that can make a non-finite value from finite inputs: {', '.join(risky)}")
+    op = f"aten.{risky[0]}" if len(risky) == 1 else None
+    cause = _RISKY[risky[0]] if len(risky) == 1 else Cause.UNKNOWN
+    finding = Finding(cause=cause, confidence=0.6 if len(risky) == 1 else 0.4, phase=Phase.FORWARD, module=module,
+                      op=op, evidence=tuple(lines))
+    origin = Origin(phase=Phase.FORWARD, module=module, op=op, precision=str(info.get("dtype")),
+                    kind=info.get("kind"))
+    return finding, origin
+
+
+def _base(node_name: str) -> str:
+    name = node_name.split("Backward")[0]
+    return name.lower()
+
+
 def device_of_module(module: torch.nn.Module) -> str:
     for p in module.parameters():
         return p.device.type
@@ -83,55 +152,5 @@ def params_module(opt: torch.optim.Optimizer) -> torch.nn.Module:
     return holder
 
 
-def update_forensics(opt: torch.optim.Optimizer | None, model: torch.nn.Module, corrupt: bool) -> dict[str, Any]:
-    """The optimizer's settings and, where an earlier update made weights non-finite, those parameters
-    with their optimizer state."""
-    if opt is None:
-        return {}
-    groups = []
-    for g in opt.param_groups:
-        groups.append({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else
-                           list(v) if isinstance(v, tuple) else v)
-                       for k, v in g.items() if k in ("lr", "eps", "weight_decay", "betas", "momentum")})
-    out: dict[str, Any] = {"optimizer": type(opt).__name__, "param_groups": groups}
-    if not corrupt:
-        return out
-    names = {id(q): n for n, q in model.named_parameters()}
-    bad = []
-    for gi, g in enumerate(opt.param_groups):
-        for q in g["params"]:
-            if bool(torch.isfinite(q.detach()).all()):
-                continue
-            row: dict[str, Any] = {"parameter": names.get(id(q), "?"), "group": gi,
-                                   "nonfinite": int((~torch.isfinite(q.detach())).sum())}
-            st = opt.state.get(q, {})
-            for key in ("exp_avg_sq", "exp_avg", "momentum_buffer"):
-                v = st.get(key)
-                if isinstance(v, torch.Tensor):
-                    a = v.detach().float().abs()
-                    row[key] = {"min": float(a.min()), "max": float(a.max()), "zeros": int((a == 0).sum())}
-            if "step" in st:
-                row["step"] = float(st["step"])
-            bad.append(row)
-    out["nonfinite_parameters"] = bad
-    return out
-
-
-def update_finding(upd: dict[str, Any], step: int) -> Finding:
-    bad = upd["nonfinite_parameters"]
-    first = bad[0]
-    group = upd["param_groups"][first["group"]] if upd.get("param_groups") else {}
-    lines = [f"the weights were non-finite before step {step}: the {upd.get('optimizer')} update of step "
-             f"{max(step - 1, 0)} made {len(bad)} parameter(s) non-finite, first {first['parameter']} "
-             f"({first['nonfinite']} values)",
-             "optimizer settings: " + ", ".join(f"{k}={v}" for k, v in group.items())]
-    v = first.get("exp_avg_sq")
-    if v is not None:
-        lines.append(f"its Adam second moment: min {v['min']:.3g}, max {v['max']:.3g}, {v['zeros']} zero(s)"
-                     + (f" with eps={group.get('eps')}" if "eps" in group else ""))
-    return Finding(cause=Cause.LR_SPIKE, confidence=0.6, phase=Phase.UPDATE,
-                   module=first["parameter"].rpartition(".")[0] or None, op=None, evidence=tuple(lines))
-
-
-__all__ = ["ForwardStep", "find_loss", "batch_of", "update_forensics", "update_finding",
-           "device_of_module", "autocast_dtype", "params_module"]
+__all__ = ["ForwardStep", "find_loss", "batch_of", "device_of_module", "autocast_dtype", "params_module",
+           "output_tensors", "ops_between", "loss_outside_finding"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..hooked import HookEvent, Stopped, check_policy, resolve_config
+from ..hooked import HookEvent, Stopped, check_policy, resolve_config, shown
 from .watcher import POLICIES, Watcher
 
 _PYTHONS = ("python", "python3")
@@ -32,6 +32,18 @@ class WatchResult:
     json: str | None = None        # where --json wrote the first bad step's report
     error: str | None = None       # the script raised: the exception's one line
     notes: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """The one line at the end: what was watched, or a warning that nothing was."""
+        if self.steps == 0:
+            return ("nanprobe watch: warning: no optimizer step was seen, so nothing was checked. watch guards "
+                    "the steps of torch.optim optimizers (optimizer.step(), GradScaler.step); an update written "
+                    "by hand (p -= lr * p.grad) or a script that exits before training is not seen: use "
+                    "nanprobe.Guard in such a loop")
+        bad = len(self.events)
+        reports = sum(1 for e in self.events if e.report)
+        return (f"nanprobe watch: 1 process, {self.steps} optimizer step(s) seen, {bad} bad step(s), "
+                f"{reports} report(s) written" + (f" (first: {shown(self.events[0].report)})" if reports else ""))
 
 
 # -- the command line after `--` ----------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import sys
 import weakref
@@ -18,12 +20,39 @@ from ..guard import POLICIES   # the guard's policies: a script has no "stop"
 from ..hooked import HookedGuard, HookEvent, skip_update, total_norm
 from ..hooked.guard import Pending
 from ..precision import Precision
-from ..report import Cause, Report, Status
+from ..report import Cause, Phase, Report, Status
+from ..sharding import local_value
 from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
-from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, params_module,
-                      update_finding, update_forensics)
+from ..updates import update_finding, update_forensics
+from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
+                      ops_between, output_tensors, params_module)
+
+
+class _RootHook:
+    """A hook the root module carries: it calls the watcher (held weakly) for the root itself only.
+
+    The user's model holds it, so it must never stop them copying or saving the model: a deep copy
+    (a best-model snapshot, an EMA or ``AveragedModel`` copy) or a pickle (``torch.save(model)``) of it
+    is an inert ``functools.partial(sys.audit, ...)`` (a no-op without audit hooks), which needs
+    neither nanprobe nor the watcher to load.
+    """
+
+    __slots__ = ("_watcher", "_method", "_root")
+
+    def __init__(self, watcher: Watcher, method: str):
+        self._watcher = weakref.ref(watcher)
+        self._method = method
+        self._root = weakref.ref(watcher.root)
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        watcher = self._watcher()
+        if watcher is not None and module is self._root():
+            getattr(watcher, self._method)(module, *args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return functools.partial, (sys.audit, "nanprobe.watch.inert_hook")
 
 
 class Watcher:
@@ -56,6 +85,9 @@ class Watcher:
         self._scaled: set[int] = set()            # ids of GradScaler.scale outputs (noted unscaled already)
         self._checked = False                     # this step was checked already (in GradScaler.step)
         self._in_scaler_step = False              # inside the guarded optimizer's GradScaler.step
+        self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
+        self._outputs: list[torch.Tensor] = []    # the root's output tensors in this step (by reference)
+        self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
         self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
         self._device_type = "cpu"
@@ -144,8 +176,8 @@ class Watcher:
                 self._note_out(loss)
 
     def _hook_root(self, root: torch.nn.Module) -> None:
-        self._root_hooks.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._root_hooks.append(root.register_forward_hook(self._root_post))
+        self._root_hooks.append(root.register_forward_pre_hook(_RootHook(self, "_root_pre"), with_kwargs=True))
+        self._root_hooks.append(root.register_forward_hook(_RootHook(self, "_root_post")))
 
     def _make_guard(self, model: torch.nn.Module) -> None:
         self.guard = HookedGuard(command="watch", who="nanprobe watch", model=model, build_target=self._target,
@@ -158,14 +190,15 @@ class Watcher:
 
     # -- the root's calls --
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.busy and torch.is_grad_enabled():
+        if not self.busy and not self._in_closure and torch.is_grad_enabled():
             device = self._device_type
             dtype = str(torch.get_autocast_dtype(device))[6:] if torch.is_autocast_enabled(device) else None
             self._note_call(args, kwargs, dtype)
 
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
-        if not self.busy and torch.is_grad_enabled():
+        if not self.busy and not self._in_closure and torch.is_grad_enabled():
             self._note_out(find_loss(out))
+            self._outputs.extend(output_tensors(out))   # by reference, until the step is over
 
     def _note_call(self, args: tuple, kwargs: dict, autocast: str | None) -> None:
         g = self.guard
@@ -181,6 +214,10 @@ class Watcher:
 
     # -- losses --
     def _note_loss(self, t: torch.Tensor) -> None:
+        if self._in_closure:
+            return
+        if t.grad_fn is not None:
+            self._loss_nodes.append(t.grad_fn)   # its graph, for a bad step's loss outside the model
         if self.guard is not None:
             self.guard.note_loss(t)
         elif self.root is None:
@@ -251,13 +288,36 @@ class Watcher:
         return __init__
 
     # -- the optimizer step --
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.busy:
-            return
+            return None
         if self.optimizer is None:
             self.optimizer = opt
-        if opt is self.optimizer and not self._checked:
-            self._check(opt)
+        if opt is not self.optimizer or self._checked:
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, closure)
+        if callable(closure):   # LBFGS & co: the step's forward and backward happen inside step()
+            return self._guard_closure(opt, closure, args, kwargs)
+        self._check(opt)
+        return None
+
+    def _guard_closure(self, opt: torch.optim.Optimizer, closure: Any, args: tuple,
+                       kwargs: dict) -> tuple[tuple, dict]:
+        """The closure the optimizer gets instead: its first evaluation is the step's (checked before any
+        update; a bad step's gradients dropped there: no update); later ones (LBFGS's line search) are
+        not new steps."""
+        watcher = self
+
+        def guarded():
+            loss = closure()
+            if not watcher._checked:
+                watcher._check(opt)
+                watcher._checked = watcher._in_closure = True
+            return loss
+
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=guarded)
+        return (args[0], guarded, *args[2:]), kwargs
 
     def _check(self, opt: torch.optim.Optimizer) -> None:
         if self.optimizer is None:
@@ -290,11 +350,14 @@ class Watcher:
         self._step_done()
 
     def _step_done(self) -> None:
-        self._checked = False
+        self._checked = self._in_closure = False
         self._scaled.clear()
+        self._outputs, self._loss_nodes = [], []
         self.steps += 1
-        if self.guard is not None and self.guard.pending is not None:
-            self._finish()
+        if self.guard is not None:
+            self.guard.after_update()
+            if self.guard.pending is not None:
+                self._finish()
 
     def _finish(self) -> None:
         g = self.guard
@@ -313,13 +376,13 @@ class Watcher:
 
     def finish_at_exit(self) -> None:
         """The script ended with a caught bad step not yet diagnosed (its update was the GradScaler's to skip)."""
-        if self.guard is not None and self.guard.pending is not None:
+        if self.guard is not None and (self.guard.pending is not None or self.guard.final_check()):
             self._finish()
 
     # -- the bad step: what the live gradients and the optimizer say --
     def _on_bad(self, p: Pending) -> None:
         model = self.guard.model
-        named = [(n, q.grad) for n, q in model.named_parameters() if q.grad is not None]
+        named = [(n, local_value(q.grad)) for n, q in model.named_parameters() if q.grad is not None]
         rows: dict[str, dict[str, Any]] = {}
         if named:
             counts = torch.stack([(~torch.isfinite(g)).sum() for _, g in named]).tolist()   # one sync
@@ -333,7 +396,18 @@ class Watcher:
         p.extra["gradients"] = {"nonfinite_modules": [r for r in rows.values() if r["nonfinite"]],
                                 "note": "non-finite gradient values per module in the live step (before it was "
                                         "skipped)"}
-        p.extra["update"] = update_forensics(self.optimizer, model, p.corrupt)
+        names = {id(q): n for n, q in model.named_parameters()}
+        p.extra["update"] = update_forensics([self.optimizer], names, weights=p.corrupt)
+        loss = p.record.loss
+        if self._outputs and self._loss_nodes and loss is not None and not math.isfinite(loss):
+            outs = [local_value(t.detach()) for t in self._outputs if t.numel()]
+            amax = torch.stack([t.float().abs().amax() for t in outs]).amax() if outs else torch.tensor(0.0)
+            stop = {id(t.grad_fn) for t in self._outputs if t.grad_fn is not None}
+            finite = bool(torch.isfinite(amax))
+            p.extra["loss_outside_model"] = {   # non-finite numbers as strings: the report stays valid JSON
+                "outputs_finite": finite, "max_abs": float(amax) if finite else str(float(amax)), "loss": str(loss),
+                "kind": "nan" if math.isnan(loss) else "inf", "dtype": str(outs[0].dtype)[6:] if outs else None,
+                "ops": ops_between(self._loss_nodes, stop)}
 
     def _adjust(self, report: Report, p: Pending) -> Report:
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
@@ -350,11 +424,18 @@ class Watcher:
             if grads:
                 where = ", ".join(r["module"] or "(root)" for r in grads[:4])
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
+        outside = loss_outside_finding(p.extra.get("loss_outside_model") or {}) \
+            if report.origin is None and not loss_in_forward else None
+        origin = report.origin
+        if outside is not None:
+            findings.insert(0, outside[0])
+            origin = outside[1]
+            notes = [n for n in notes if not n.startswith("the loss is computed outside")]
         upd = p.extra.get("update", {})
-        if upd.get("nonfinite_parameters"):
-            findings.insert(0, update_finding(upd, p.step))
+        if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
+            findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
         status = p.status if report.status is Status.FINITE else report.status
-        return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status)
+        return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status, origin=origin)
 
     # -- the target the diagnosis reruns --
     def _target(self) -> Target:

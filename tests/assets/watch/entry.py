@@ -1,4 +1,6 @@
-"""The ENTRY for replaying own_trainer.py's capsules with the script's own loss (it lives in forward)."""
+"""The ENTRY own_trainer.py's user writes: its model and optimizer, and the loss of its loop's (x, counts)
+batches. A `nanprobe watch` capsule holds the root module's inputs instead: it replays them (the
+loss lives in forward), and this loss_fn serves replays from step 0."""
 
 import torch
 
@@ -10,5 +12,4 @@ def target():
     model = PoissonNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     return {"model": model, "optimizer": optimizer, "max_grad_norm": 5.0, "batches": [],
-            # nanprobe watch saved the root module's inputs: batch["args"], batch["kwargs"]
-            "loss_fn": lambda m, b: m(*b["args"], **b["kwargs"])}
+            "loss_fn": lambda m, b: m(b[0], b[1])}
