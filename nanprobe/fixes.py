@@ -163,39 +163,6 @@ def _z_loss(f: Finding, ev: Evidence) -> Fix | None:
                    "Wortsman et al. 2023)")
 
 
-LOWER_LR = 0.3   # the lower peak LR the mechanism fixes propose and verify: this times the run's
-
-
-def _peak(ev: Evidence) -> float | None:
-    lrs = lrs_seen(ev.reached)
-    return max(lrs) if lrs else None
-
-
-@fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
-                   Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
-                   verify=lambda f, ev: Remedy(lr_scale=LOWER_LR))
-def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
-    peak = _peak(ev)
-    was = f"  # was {peak:.3g}" if peak else ""
-    lr = f"{peak * LOWER_LR:.3g}" if peak else f"{LOWER_LR} * peak_lr"
-    return Fix(title=f"Lower the peak learning rate ({LOWER_LR:g}x){' or warm up longer' if f.mechanism is Mechanism.ATTENTION_LOGIT_GROWTH else ''}",
-               code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr}){was}\n"
-                    "# keep the schedule's shape (warmup, decay): it multiplies the new peak",
-               why="the growth is driven by the step size: Adam moves every weight by about the LR per step, so "
-                   "the logits and activations grow with it; a lower peak keeps them in range")
-
-
-@fix_for_mechanism(Mechanism.LR_SCHEDULE, verify=lambda f, ev: Remedy(warmup=2 * max(ev.reached.step, 1)))
-def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
-    steps = 2 * max(ev.reached.step, 1)
-    return Fix(title=f"Warm up longer: over {steps} steps",
-               code=f"warmup = {steps}  # steps: twice the step the run failed at\n"
-                    "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
-                    "    optimizer, lambda step: min(1.0, (step + 1) / warmup) * your_decay(step))",
-               why="the run broke while the LR was still rising to (or had just reached) its peak: a longer "
-                   "warmup lets the weights and Adam's moments settle before the full step size")
-
-
 def _adam_group(ev: Evidence) -> dict[str, Any] | None:
     opts = ev.target.optimizers
     if not opts or not opts[0][1].param_groups:
@@ -243,6 +210,41 @@ def _adam_eps(f: Finding, ev: Evidence) -> Fix | None:
     return _adam_fix(ev, "eps", "Raise {opt}'s eps to 1e-6 (it is {was:g})",
                      "where the gradient's RMS falls toward eps, sqrt(v) no longer bounds the update m / (sqrt(v) + "
                      "eps); a larger eps caps the step of parameters whose second moment collapsed")
+
+
+LOWER_LR = 0.3   # the lower peak LR the mechanism fixes propose and verify: this times the run's
+
+
+def _peak(ev: Evidence) -> float | None:
+    lrs = lrs_seen(ev.reached)
+    return max(lrs) if lrs else None
+
+
+@fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+                   Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
+                   verify=lambda f, ev: Remedy(lr_scale=LOWER_LR))
+def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
+    peak = _peak(ev)
+    was = f"  # was {peak:.3g}" if peak else ""
+    lr = f"{peak * LOWER_LR:.3g}" if peak else f"{LOWER_LR} * peak_lr"
+    longer = " or warm up longer" if f.mechanism is Mechanism.ATTENTION_LOGIT_GROWTH else ""
+    return Fix(title=f"Lower the peak learning rate ({LOWER_LR:g}x){longer}",
+               code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr}){was}\n"
+                    "# keep the schedule's shape (warmup, decay): it multiplies the new peak"
+                    + ("\n# or keep the peak and warm up over several times more steps" if longer else ""),
+               why="the growth is driven by the step size: Adam moves every weight by about the LR per step, so "
+                   "the logits and activations grow with it; a lower peak keeps them in range")
+
+
+@fix_for_mechanism(Mechanism.LR_SCHEDULE, verify=lambda f, ev: Remedy(warmup=2 * max(ev.reached.step, 1)))
+def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
+    steps = 2 * max(ev.reached.step, 1)
+    return Fix(title=f"Warm up longer: over {steps} steps",
+               code=f"warmup = {steps}  # steps: twice the step the run failed at\n"
+                    "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+                    "    optimizer, lambda step: min(1.0, (step + 1) / warmup) * your_decay(step))",
+               why="the run broke while the LR was still rising to (or had just reached) its peak: a longer "
+                   "warmup lets the weights and Adam's moments settle before the full step size")
 
 
 def _decay_remedy(f: Finding, ev: Evidence) -> Remedy | None:

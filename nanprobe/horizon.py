@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from .config import Config
 from .divergence import Judge
-from .errors import UserCodeError
+from .errors import NanprobeError, UserCodeError
 from .feed import DataEnd, Recorded, Stream
 from .precision import Precision, device_of
 from .replay import Reached, Replayer, measure
@@ -301,7 +301,6 @@ class Horizon:
             self._replay_to(loaded, start)
             self._own_snapshot = True
         self.setup_seconds = time.perf_counter() - t0
-        self.unfixed: Run | None = None
 
     def _replay_to(self, loaded, start: int) -> None:
         """Build the target again and replay it to ``start`` (the state before the onset)."""
@@ -472,8 +471,8 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
         where = ""
         o = fixed.new_origin
         if o:
-            where = f": new origin {o['module'] or 'model'} {o['op']} {o['kind'] or ''}".rstrip()
-            where = where.replace(" +inf", " overflow").replace(" -inf", " overflow")
+            where = f": new origin {o['phase']} {o['module'] or 'model'} {o['op']}" + (f" ({o['kind']})" if o["kind"]
+                                                                                     else "")
         else:
             where = f": {fixed.reason}"
         return False, f"failed at step {fixed.failed_at}{where}", info
@@ -483,10 +482,14 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
                       "does not show that a fix holds"), info
     info["held"] = True
     info["loss_fixed"] = _tail_mean(fixed.losses)
-    common = last if unfixed.failed_at is None else None
-    info["loss_unfixed"] = _tail_mean(unfixed.losses, common) if common is not None else None
-    versus = (f"{_fmt(info['loss_unfixed'])} unfixed" if info["loss_unfixed"] is not None
-              else f"unfixed: {unfixed.reason or 'failed'} at step {unfixed.failed_at}")
+    covered = unfixed.last is not None and unfixed.last >= last   # the unfixed run trained the same steps
+    info["loss_unfixed"] = _tail_mean(unfixed.losses, last) if covered else None
+    if not covered:
+        versus = f"unfixed: {unfixed.reason or 'failed'} at step {unfixed.failed_at}"
+    elif unfixed.failed_at is not None:
+        versus = f"{_fmt(info['loss_unfixed'])} unfixed, which diverged from step {unfixed.failed_at}"
+    else:
+        versus = f"{_fmt(info['loss_unfixed'])} unfixed"
     return True, f"held for {fixed.steps} steps, to step {last} (loss {_fmt(info['loss_fixed'])} vs {versus})", info
 
 
@@ -506,7 +509,15 @@ def verify_over_horizon(loaded, reached: Reached, onset: int | None, candidates:
     if reached.error is not None:
         return [dataclasses.replace(f, verify_note="not verified: the step raised (train past it first)")
                 if r is not None else f for f, r in candidates]
-    h = Horizon(loaded, reached, cfg, horizon_start(reached, onset, cfg), progress=progress)
+    start = horizon_start(reached, onset, cfg)
+    try:
+        h = Horizon(loaded, reached, cfg, start, progress=progress)
+    except NanprobeError as exc:
+        if start == reached.step:
+            return [dataclasses.replace(f, verify_note=f"not verified: the horizon could not start ({exc})")
+                    if r is not None else f for f, r in candidates]
+        h = Horizon(loaded, reached, cfg, reached.step, progress=progress)   # the state the replay holds
+        h.notes.append(f"the horizon starts at the failing step: reaching the onset {start} failed ({exc})")
     out: list[Fix] = []
     try:
         unfixed = h.known_unfixed()

@@ -50,8 +50,8 @@ def render_report(report: Report, console: Console, *, verbose: bool = False) ->
             for fix in f.fixes[3 if i == 0 else 1:]:
                 if fix.verification is not None:   # trained over the horizon: its verdict is shown, not hidden
                     console.print(Text.from_markup(f"  also trained over the horizon: [bold]{fix.title}[/]  "
-                                                   f"{_MARK[fix.verified]}"), Text(f"    {fix.verify_note}",
-                                                                                    style="dim italic"))
+                                                   f"{_MARK[fix.verified]}"))
+                    console.print(Text(f"    {fix.verify_note}", style="dim italic"))
     if report.precisions:
         console.print(_precisions(report))
     if report.context:

@@ -68,8 +68,9 @@ def main() -> None:
             plain.append((time.perf_counter() - t0) / steps)
             run = h.run(None)
             unfixed.append(run.seconds / max(run.steps, 1))
+            verdicts = {"unfixed": run}
             for name, remedy in remedies.items():
-                run = h.run(remedy)
+                run = verdicts[name] = h.run(remedy)
                 per_fix[name].append(run.seconds / max(run.steps, 1))
     finally:
         h.close()
@@ -79,9 +80,14 @@ def main() -> None:
           f"{args.repeats})")
     print(f"one-time setup (build the target again, replay {h.start} steps): {setup:.2f} s = "
           f"{setup / (base * steps):.2f}x the horizon's plain training")
-    print(f"unfixed run: {statistics.median(unfixed) / base:.3f}x per step")
+    def said(run) -> str:
+        return f"failed at step {run.failed_at} ({run.reason})" if run.failed_at is not None else \
+            f"held, loss {sum(v for _, v in run.losses[-5:]) / 5:.3f} over the last 5 steps"
+
+    print(f"unfixed run: {statistics.median(unfixed) / base:.3f}x per step; {said(verdicts['unfixed'])}")
     for name, times in per_fix.items():
-        print(f"fix {name:12s}: {statistics.median(times) / base:.3f}x per step (budget 1.10x)")
+        print(f"fix {name:12s}: {statistics.median(times) / base:.3f}x per step (budget 1.10x); "
+              f"{said(verdicts[name])}")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import example
+from conftest import asset, example
 from nanprobe import diagnose
 from nanprobe.config import load_config
-from nanprobe.horizon import Remedy, _breakaway, _qk_norm, _z_loss
-from nanprobe.report import Mechanism
+from nanprobe.entry import load_target
+from nanprobe.horizon import Remedy, _breakaway, _qk_norm, _z_loss, verify_over_horizon
+from nanprobe.replay import reach
+from nanprobe.report import Fix, Mechanism
 from nanprobe.target import Target
 
 CFG = load_config(None)
@@ -85,6 +87,33 @@ def test_a_fix_holds_over_the_horizon_and_a_one_step_rerun_is_never_called_verif
     assert not any(f.verified for f in one.top.fixes)
 
 
+def test_slow_divergence_qk_norm_holds_where_z_loss_alone_does_not():
+    """The proxy's slow divergence (fp32: every value finite, the loss breaks away from its best
+    level): from the onset the unfixed run diverges inside the horizon; qk-layernorm holds with a
+    lower loss, z-loss alone does not (Wortsman et al.), and says at which step it broke away."""
+    loaded = load_target(asset("attention_growth.py") + ":target")
+    t = loaded.target
+    reached = reach(t, at=70, precision=t.precision, cfg=CFG.replay, where=loaded.where)
+    attn = ("blocks.0.attn", "blocks.1.attn")
+    candidates = [(Fix(title="qk-layernorm", code="..."), Remedy(qk_norm=attn)),
+                  (Fix(title="z-loss", code="..."), Remedy(z_loss=("lm_head", 1e-4))),
+                  (Fix(title="a data fix", code="..."), None)]
+    try:
+        qk, z, data = verify_over_horizon(loaded, reached, 50, candidates, _horizon(margin=10, max_fixes=2))
+    finally:
+        reached.restore()
+    v = qk.verification
+    assert (v["from_step"], v["to_step"], v["steps"]) == (50, 80, 31)
+    diverged = v["unfixed_failed_at"]
+    assert diverged is not None and 50 < diverged <= 80               # the unfixed run broke away
+    assert qk.verified is True and v["loss_fixed"] < v["loss_unfixed"]
+    assert f"unfixed, which diverged from step {diverged}" in qk.verify_note
+    assert z.verified is False and 50 < z.verification["failed_at"] <= 80
+    assert z.verify_note == f"failed at step {z.verification['failed_at']}: the loss left its best level and did " \
+                            "not come back"
+    assert data.verified is None and "cannot apply from outside" in data.verify_note
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, d: int = 8, fused: bool = False):
         super().__init__()
@@ -147,3 +176,12 @@ def test_slow_divergence_over_the_horizon_is_the_step_where_the_loss_left_its_be
     assert _breakaway(broke) in (42, 43)                       # the running median of 5 crosses at its 3rd step
     recovered = flat + [(k, 3.7) for k in range(40, 45)] + [(k, 3.0) for k in range(45, 60)]
     assert _breakaway(recovered) is None
+
+
+def test_each_mechanism_ranks_its_own_fix_first_and_precision_changes_after_the_catalog_of_its_cause():
+    from nanprobe.fixes import MECHANISMS
+    first = {m: MECHANISMS[m][0].build.__name__ for m in Mechanism}
+    assert first == {Mechanism.ATTENTION_LOGIT_GROWTH: "_qk_layernorm", Mechanism.OUTPUT_LOGIT_DIVERGENCE: "_z_loss",
+                     Mechanism.ADAM_SECOND_MOMENT: "_adam_beta2", Mechanism.LR_SCHEDULE: "_lower_peak_lr",
+                     Mechanism.LOSS_SCALE_COLLAPSE: "_loss_scale_bf16", Mechanism.ACTIVATION_GROWTH: "_lower_peak_lr"}
+    assert all(t.verify is not None for ts in MECHANISMS.values() for t in ts)   # each can be trained over a horizon
