@@ -16,7 +16,8 @@ from .config import Config, load_config
 from .entry import Loaded, load_target
 from .errors import UsageError, UserCodeError
 from .fixes import attach
-from .horizon import Remedy, verify_over_horizon
+from .horizon import verify_over_horizon
+from .remedy import Remedy
 from .instrument import Event, Probe
 from .precision import Precision, describe_device, device_of, limits, parse_precision
 from .replay import NoBadStep, Reached, reach

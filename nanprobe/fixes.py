@@ -4,7 +4,7 @@ Each template gets the finding and the evidence and returns a Fix (or None when 
 apply). A finding's fixes are its mechanism's first (qk-layernorm, z-loss, LR, AdamW eps/beta2,
 weight decay), then its cause's (precision changes last among the numeric ones): ranked by the
 evidence, not by what is easiest to check. A template may carry a remedy: the fix as changes
-nanprobe can apply from outside the user's code (:class:`nanprobe.horizon.Remedy`); ``attach``
+nanprobe can apply from outside the user's code (:class:`nanprobe.remedy.Remedy`); ``attach``
 hands the top finding's fixes and remedies to the horizon verifier (nanprobe/horizon.py).
 """
 
@@ -23,9 +23,9 @@ from .classify import Evidence, explained_by, op_base, semantic_name
 from .classify.raised import LABEL_OUT_OF_RANGE
 from .classify.rules import constant, lrs_seen, multiplier_above_one
 from .errors import short_path
-from .horizon import Remedy
 from .instrument import LOSS_FN
 from .precision import Precision
+from .remedy import Remedy
 from .report import Cause, Finding, Fix, Mechanism, Phase, Status
 
 RemedyFn = Callable[[Finding, Evidence], Remedy | None]

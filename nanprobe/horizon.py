@@ -8,211 +8,34 @@ divergence (the loss leaves its best level and does not come back). A fix that f
 non-finite value gets its new origin from one instrumented rerun of the failing step.
 
 The state before N is the replay's own; a state before an earlier onset is reached by building
-the target again and replaying it to the onset (once per diagnosis). The unfixed run is trained
-only where the replay does not already say how it went: up to its first non-finite step.
+the target again and replaying it to the onset (once per diagnosis). The unfixed run is not
+trained where the replay's history already covers the horizon up to a non-finite failing step;
+elsewhere it is trained once, up to its first non-finite step (a slow divergence runs to the end).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .config import Config
 from .divergence import Judge
 from .errors import NanprobeError, UserCodeError
 from .feed import DataEnd, Recorded, Stream
-from .precision import Precision, device_of
+from .precision import device_of
+from .remedy import Remedy
 from .replay import Reached, Replayer, measure
 from .report import Fix, Status, StepRecord
-from .rerun import _fp32_island, _scaler_for, run_step
+from .rerun import run_step
 from .state import RngTracker, Snapshot
 from .step import RunOptions
-
-
-# -- what a fix changes, applied from outside the user's code ---------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Remedy:
-    """A fix as changes nanprobe can make to every step of a horizon without editing the user's code."""
-
-    precision: Precision | None = None              # train in this precision instead
-    fp32_modules: tuple[str, ...] = ()              # run these modules in float32 inside autocast
-    max_grad_norm: float | None = None              # clip the global gradient norm at this
-    lr_scale: float | None = None                   # multiply the LR the scheduler sets
-    warmup: int | None = None                       # ... and by min(1, (step + 1) / warmup)
-    param_overrides: tuple[tuple[str, Any], ...] = ()   # optimizer group keys, e.g. (("eps", 1e-8),)
-    z_loss: tuple[str, float] | None = None         # (output module, coefficient): + c * logsumexp(logits)^2
-    qk_norm: tuple[str, ...] = ()                   # attention modules whose q and k are layer-normalised
-
-    def describe(self) -> str:
-        parts = []
-        if self.precision is not None:
-            parts.append(self.precision.value)
-        if self.fp32_modules:
-            parts.append(f"fp32 {', '.join(self.fp32_modules)}")
-        if self.max_grad_norm is not None:
-            parts.append(f"clip {self.max_grad_norm:g}")
-        if self.lr_scale is not None:
-            parts.append(f"LR x{self.lr_scale:g}")
-        if self.warmup is not None:
-            parts.append(f"warmup {self.warmup}")
-        parts += [f"{k}={v}" for k, v in self.param_overrides]
-        if self.z_loss is not None:
-            parts.append(f"z-loss {self.z_loss[1]:g} on {self.z_loss[0]}")
-        if self.qk_norm:
-            parts.append(f"qk-norm in {', '.join(self.qk_norm)}")
-        return ", ".join(parts) or "no change"
-
-    def combine(self, other: Remedy) -> Remedy | None:
-        """Both changes at once; None where they set the same thing differently."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, tuple) and f.name != "z_loss":
-                out[f.name] = tuple(dict.fromkeys(a + b))
-            elif a is not None and b is not None and a != b:
-                return None
-            else:
-                out[f.name] = a if a is not None else b
-        if len({k for k, _ in out["param_overrides"]}) < len(out["param_overrides"]):
-            return None
-        return Remedy(**out)
-
-    def lr_at(self, step: int) -> float | None:
-        scale = self.lr_scale
-        if self.warmup:
-            scale = (scale or 1.0) * min(1.0, (step + 1) / self.warmup)
-        return scale
-
-    def options(self, precision: Precision, policy: str, loop, step: int) -> RunOptions:
-        prec = self.precision or precision
-        return RunOptions(precision=prec, policy=policy, max_grad_norm=self.max_grad_norm,
-                          lr_scale=self.lr_at(step), param_overrides=dict(self.param_overrides) or None,
-                          scaler=_scaler_for(loop, prec, None, None))
-
-    @contextlib.contextmanager
-    def applied(self, target) -> Iterator[list[torch.Tensor]]:
-        """The changes that live in the model (fp32 island, qk-norm, z-loss) for the ``with`` body.
-
-        Yields the list the z-loss hook appends each step's added term to (to report the loss
-        without it)."""
-        added: list[torch.Tensor] = []
-        with contextlib.ExitStack() as stack:
-            if self.fp32_modules:
-                stack.enter_context(_fp32_island(target.model, self.fp32_modules))
-            if self.qk_norm:
-                stack.enter_context(_qk_norm(target.model, self.qk_norm))
-            if self.z_loss is not None:
-                stack.enter_context(_z_loss(target, *self.z_loss, added))
-            yield added
-
-    def why_not(self, target) -> str | None:
-        """Why this remedy cannot be applied to ``target`` from outside (None: it can)."""
-        if self.z_loss is not None and target.loss_fn is None:
-            return "z-loss is added to the loss, and your step_fn computes its own"
-        names = {n for n, _ in target.model.named_modules()}
-        missing = [m for m in (*self.fp32_modules, *self.qk_norm, *((self.z_loss[0],) if self.z_loss else ()))
-                   if m not in names]
-        if missing:
-            return f"no module {missing[0]!r} in the model"
-        return None
-
-
-def _unit(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """LayerNorm without affine parameters over ``dim`` (qk-layernorm's normalisation)."""
-    if dim in (-1, t.dim() - 1):
-        return F.layer_norm(t, t.shape[-1:]).to(t.dtype)
-    return F.layer_norm(t.transpose(dim, -1), t.shape[dim:dim + 1]).transpose(dim, -1).to(t.dtype)
-
-
-_SDPA = F.scaled_dot_product_attention
-_MATMULS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm}
-
-
-class _QKNormMode(TorchFunctionMode):
-    """Inside an attention module's forward: layer-normalise q and k where attention is computed.
-
-    ``F.scaled_dot_product_attention(q, k, v)`` gets normalised q and k; a hand-written attention's
-    first batched matmul of two >= 3-D operands is ``q @ k^T``: q over its last dim, k^T over the
-    head dim (its second-to-last)."""
-
-    def __init__(self):
-        super().__init__()
-        self.pending = True
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _SDPA and len(args) >= 2:
-            args = (_unit(args[0]), _unit(args[1])) + tuple(args[2:])
-        elif self.pending and func in _MATMULS and len(args) >= 2 and all(
-                isinstance(a, torch.Tensor) and a.dim() >= 3 for a in args[:2]):
-            self.pending = False
-            args = (_unit(args[0]), _unit(args[1], -2)) + tuple(args[2:])
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _qk_norm(model: torch.nn.Module, names: tuple[str, ...]):
-    modes: list[_QKNormMode] = []
-
-    def pre(mod, args):
-        mode = _QKNormMode()
-        mode.__enter__()
-        modes.append(mode)
-
-    def post(mod, args, out):
-        modes.pop().__exit__(None, None, None)
-
-    handles = []
-    for name, module in model.named_modules():
-        if name in names:
-            handles += [module.register_forward_pre_hook(pre),
-                        module.register_forward_hook(post, always_call=True)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def _z_loss(target, name: str, coef: float, added: list[torch.Tensor]):
-    """coef * mean(logsumexp(logits)^2) over the output module's logits, added to the user's loss."""
-    module = target.model.get_submodule(name)
-    terms: list[torch.Tensor] = []
-
-    def hook(mod, args, out):
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
-            terms.append(coef * torch.logsumexp(out.float(), dim=-1).pow(2).mean())
-
-    original = target.loss_fn
-
-    def loss_fn(model, batch):
-        terms.clear()
-        loss = original(model, batch)
-        if terms and isinstance(loss, torch.Tensor):
-            z = torch.stack(terms).sum()
-            added.append(z.detach())
-            return loss + z.to(loss.dtype)
-        return loss
-
-    handle = module.register_forward_hook(hook)
-    target.loss_fn = loss_fn
-    try:
-        yield
-    finally:
-        target.loss_fn = original
-        handle.remove()
 
 
 # -- slow divergence --------------------------------------------------------------------------------
@@ -502,8 +325,7 @@ def horizon_start(reached: Reached, onset: int | None, cfg: Config) -> int:
 
 
 def verify_over_horizon(loaded, reached: Reached, onset: int | None, candidates: list[tuple[Fix, Remedy | None]],
-                        cfg: Config, progress: Callable[[str], None] = lambda msg: None,
-                        timings: dict[str, Any] | None = None) -> list[Fix]:
+                        cfg: Config, progress: Callable[[str], None] = lambda msg: None) -> list[Fix]:
     """Each candidate fix with its verdict: up to ``horizon.max_fixes`` automated fixes are trained over
     the horizon in rank order; when none held, the top two together. The rest say why not."""
     if reached.error is not None:
@@ -560,9 +382,6 @@ def verify_over_horizon(loaded, reached: Reached, onset: int | None, candidates:
                 out.append(Fix(title=f"Both: {fa.title[0].lower()}{fa.title[1:]}; and {fb.title[0].lower()}"
                                      f"{fb.title[1:]}", code=code, why="neither held alone over the horizon",
                                verified=verified, verify_note=note, verification=info))
-        if timings is not None:
-            timings.update(setup=h.setup_seconds, unfixed=unfixed.seconds, unfixed_steps=unfixed.steps,
-                           fixes=[(r.describe(), run.seconds, run.steps) for r, run in runs.items()])
         if h.notes:
             out = [dataclasses.replace(f, verify_note=f"{f.verify_note}; {h.notes[0]}")
                    if f.verification is not None else f for f in out]
@@ -571,4 +390,4 @@ def verify_over_horizon(loaded, reached: Reached, onset: int | None, candidates:
     return out
 
 
-__all__ = ["Remedy", "Horizon", "Run", "verify_over_horizon", "horizon_start", "verdict"]
+__all__ = ["Horizon", "Run", "verify_over_horizon", "horizon_start", "verdict"]

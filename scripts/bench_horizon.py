@@ -3,7 +3,7 @@
 The run is the attention-logit-growth proxy (examples/attention_logit_growth.py) in fp32, reached
 at step --at; the horizon starts --lookback steps earlier (the onset) and ends --margin steps
 after it. Measured in this process, back to back: the plain loop of the entrypoint contract
-(examples/plain_loop.py) over the same number of steps, then one horizon run per fix. The
+(written out in this script, nothing checked) over the same number of steps, then one horizon run per fix. The
 reported ratio per fix is (seconds per horizon step) / (seconds per plain step); the one-time
 setup (building the target again and replaying it to the onset) and the unfixed run are printed
 beside it.
@@ -26,16 +26,27 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import attention_logit_growth  # noqa: E402
-from plain_loop import train  # noqa: E402
 
 from nanprobe.config import load_config  # noqa: E402
 from nanprobe.entry import load_target  # noqa: E402
-from nanprobe.horizon import Horizon, Remedy  # noqa: E402
+from nanprobe.horizon import Horizon  # noqa: E402
+from nanprobe.remedy import Remedy  # noqa: E402
 from nanprobe.replay import reach  # noqa: E402
 
 
 def proxy_fp32():
     return attention_logit_growth.build("fp32")
+
+
+def plain(t: dict, steps: int) -> None:
+    """The user's loop as they write it, nothing checked: zero_grad, forward, backward, clip, step, schedule."""
+    model, opt, sched, clip = t["model"], t["optimizer"], t["scheduler"], t["max_grad_norm"]
+    for batch in t["batches"][:steps]:
+        opt.zero_grad(set_to_none=True)
+        t["loss_fn"](model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
 
 
 def main() -> None:
@@ -59,13 +70,13 @@ def main() -> None:
     remedies = {"qk-norm": Remedy(qk_norm=("blocks.0.attn", "blocks.1.attn")), "LR x0.3": Remedy(lr_scale=0.3),
                 "z-loss": Remedy(z_loss=("lm_head", 1e-4)), "fp32 island": Remedy(fp32_modules=("blocks.1.attn",)),
                 "AdamW eps": Remedy(param_overrides=(("eps", 1e-6),))}
-    plain, unfixed, per_fix = [], [], {name: [] for name in remedies}
+    plain_step, unfixed, per_fix = [], [], {name: [] for name in remedies}
     try:
         for _ in range(args.repeats):
             fresh = proxy_fp32()
             t0 = time.perf_counter()
-            train(fresh, steps=steps, verbose=False)
-            plain.append((time.perf_counter() - t0) / steps)
+            plain(fresh, steps)
+            plain_step.append((time.perf_counter() - t0) / steps)
             run = h.run(None)
             unfixed.append(run.seconds / max(run.steps, 1))
             verdicts = {"unfixed": run}
@@ -75,7 +86,7 @@ def main() -> None:
     finally:
         h.close()
         reached.restore()
-    base = statistics.median(plain)
+    base = statistics.median(plain_step)
     print(f"horizon: steps {h.start}-{h.end} ({steps} steps); plain step {1e3 * base:.2f} ms (median of "
           f"{args.repeats})")
     print(f"one-time setup (build the target again, replay {h.start} steps): {setup:.2f} s = "

@@ -13,7 +13,8 @@ from conftest import asset, example
 from nanprobe import diagnose
 from nanprobe.config import load_config
 from nanprobe.entry import load_target
-from nanprobe.horizon import Remedy, _breakaway, _qk_norm, _z_loss, verify_over_horizon
+from nanprobe.horizon import _breakaway, verify_over_horizon
+from nanprobe.remedy import Remedy, _qk_norm, _z_loss
 from nanprobe.replay import reach
 from nanprobe.report import Fix, Mechanism
 from nanprobe.target import Target
