@@ -43,22 +43,21 @@ from .step import RunOptions
 def _breakaway(losses: list[tuple[int, float]]) -> int | None:
     """TEMPORARY, replaced by ``nanprobe.divergence.breakaway`` (issue 16, the other half) at merge.
 
-    The step where the loss (a running median of 5) rose 10% above its best level so far and
-    stayed above it through the last step, for at least 5 steps; None when it did not.
+    The step where the loss level (a running median of 5) rose above its best level so far by 10%
+    of it and by 4 noise sigmas (robust, of the step-to-step changes), and stayed above through the
+    last step, for at least 5 steps; None when it did not.
     """
-    width, rise, last = 5, 0.10, 5
+    width, rise, sigmas, last = 5, 0.10, 4.0, 5
     if len(losses) < width + last:
         return None
     values = [v for _, v in losses]
+    sigma = 1.4826 * statistics.median(abs(b - a) for a, b in zip(values, values[1:])) / math.sqrt(2)
     smooth = [statistics.median(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]
     best = math.inf
-    bests = []
-    for s in smooth:
-        best = min(best, s)
-        bests.append(best)
     start = None
-    for i in range(width, len(smooth)):
-        above = smooth[i] > bests[i] + rise * abs(bests[i])
+    for i in range(width - 1, len(smooth)):
+        best = min(best, smooth[i])
+        above = smooth[i] > best + max(rise * abs(best), sigmas * sigma)
         if above and start is None:
             start = i
         elif not above:
@@ -317,10 +316,14 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
 
 
 def horizon_start(reached: Reached, onset: int | None, cfg: Config) -> int:
-    """The first step of the horizon: the onset where the replay reached it, else the failing step."""
+    """The first step of the horizon: the onset where the replay reached it, else the failing step N
+    (N - 1 for a spike: its loss is the weights' answer to the update before it)."""
     n = reached.step
-    if onset is None or onset >= n or not reached.reached_by.startswith("replay from step 0"):
+    if not reached.reached_by.startswith("replay from step 0"):
         return n
+    latest = n - 1 if reached.status is Status.SPIKE and n > 0 else n
+    if onset is None or onset >= latest:
+        return latest
     return max(onset, n - max(cfg.horizon.max_lookback, 0))
 
 

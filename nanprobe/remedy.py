@@ -102,11 +102,13 @@ class Remedy:
         """Why this remedy cannot be applied to ``target`` from outside (None: it can)."""
         if self.z_loss is not None and target.loss_fn is None:
             return "z-loss is added to the loss, and your step_fn computes its own"
-        names = {n for n, _ in target.model.named_modules()}
+        modules = dict(target.model.named_modules())
         missing = [m for m in (*self.fp32_modules, *self.qk_norm, *((self.z_loss[0],) if self.z_loss else ()))
-                   if m not in names]
+                   if m not in modules]
         if missing:
             return f"no module {missing[0]!r} in the model"
+        if any(isinstance(modules[m], torch.nn.MultiheadAttention) for m in self.qk_norm):
+            return "nn.MultiheadAttention computes q @ k^T inside one function nanprobe cannot reach into"
         return None
 
 
@@ -124,9 +126,11 @@ _MATMULS = {torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul_
 class _QKNormMode(TorchFunctionMode):
     """Inside an attention module's forward: layer-normalise q and k where attention is computed.
 
-    ``F.scaled_dot_product_attention(q, k, v)`` gets normalised q and k; a hand-written attention's
-    first batched matmul of two >= 3-D operands is ``q @ k^T``: q over its last dim, k^T over the
-    head dim (its second-to-last)."""
+    ``F.scaled_dot_product_attention(q, k, v)`` gets normalised q and k; elsewhere the first batched
+    matmul of two >= 3-D operands (a hand-written attention, transformers' eager attention) is
+    ``q @ k^T``: q over its last dim, k^T over the head dim (its second-to-last).
+    ``nn.MultiheadAttention`` is out of reach: its attention is one torch function
+    (``F.multi_head_attention_forward``) whose inner ops no mode sees."""
 
     def __init__(self):
         super().__init__()

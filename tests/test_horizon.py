@@ -186,3 +186,12 @@ def test_each_mechanism_ranks_its_own_fix_first_and_precision_changes_after_the_
                      Mechanism.ADAM_SECOND_MOMENT: "_adam_beta2", Mechanism.LR_SCHEDULE: "_lower_peak_lr",
                      Mechanism.LOSS_SCALE_COLLAPSE: "_loss_scale_bf16", Mechanism.ACTIVATION_GROWTH: "_lower_peak_lr"}
     assert all(t.verify is not None for ts in MECHANISMS.values() for t in ts)   # each can be trained over a horizon
+
+
+def test_a_remedy_says_why_it_cannot_be_applied_from_outside():
+    model = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2), torch.nn.Linear(8, 4))
+    t = Target(model=model, step_fn=lambda model, batch: None, batches=[0])
+    assert "one function" in Remedy(qk_norm=("0",)).why_not(t)
+    assert "step_fn computes its own" in Remedy(z_loss=("1", 1e-4)).why_not(t)
+    assert Remedy(fp32_modules=("2",)).why_not(t) == "no module '2' in the model"
+    assert Remedy(fp32_modules=("1",), lr_scale=0.3).why_not(t) is None
