@@ -109,12 +109,21 @@ class CompareConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HorizonConfig:
+    margin: int = 20
+    max_lookback: int = 150
+    max_fixes: int = 4
+    snapshot_every: int = 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    horizon: HorizonConfig = field(default_factory=HorizonConfig)
 
 
 _SIGNED = {"ignore_index"}

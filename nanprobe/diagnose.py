@@ -16,10 +16,12 @@ from .config import Config, load_config
 from .entry import Loaded, load_target
 from .errors import UsageError, UserCodeError
 from .fixes import attach
+from .horizon import verify_over_horizon
+from .remedy import Remedy
 from .instrument import Event, Probe
 from .precision import Precision, describe_device, device_of, limits, parse_precision
 from .replay import NoBadStep, Reached, reach
-from .report import Cause, Origin, Phase, PrecisionResult, Report, Status
+from .report import Cause, Finding, Fix, Origin, Phase, PrecisionResult, Report, Status
 from .rerun import StepTrace, resolve_backward_source, run_step
 from .shift import batch_shift
 from .state import borrows_globals
@@ -246,26 +248,15 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   entry=loaded.entry)
     findings = classify(ev)
 
-    def verify(overrides: dict[str, Any]) -> bool | None:
-        if reached.status is Status.SPIKE:
-            return None  # a finite spike is not undone by changing this one step
-        p = overrides.pop("precision", prec)
-        if p.value in traces and not overrides:
-            t = traces[p.value]
-            return None if t.error or not t.applied else t.finite
-        progress(f"verifying a fix ({', '.join(overrides) or p.value})")
-        in_update = any(k in overrides for k in ("max_grad_norm", "lr_scale", "param_overrides"))
-        t = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True, restore_after=False,
-                     ratios=False, update=update or in_update, **overrides)
-        # a step GradScaler still skips is not fixed, however finite its loss
-        return None if t.error or not t.applied else t.finite and not (t.record and t.record.skipped)
+    def verify(top: Finding, candidates: list[tuple[Fix, Remedy | None]]) -> list[Fix]:
+        return verify_over_horizon(loaded, reached, top.onset, candidates, cfg, progress)
 
-    findings = attach(findings, ev, verify, verify_enabled=cfg.run.verify_fixes)
     if reached.onset is not None and reached.onset != reached.step:
         began = [n for n in reached.notes if n.startswith(f"step {reached.onset} ")]
         later = [n for n in reached.notes if "did not recover" in n and not n.startswith(f"step {reached.onset} ")]
         findings = [dataclasses.replace(f, onset=reached.onset, evidence=f.evidence + tuple(
             f"onset: {n}" for n in began[:1]) + tuple(later[:1])) for f in findings]
+    findings = attach(findings, ev, verify if cfg.run.verify_fixes else None)   # from the onset, where there is one
     if fid.reproduced is False:
         findings = [f if f.cause is Cause.NOT_REPRODUCED else dataclasses.replace(
             f, confidence=round(f.confidence * 0.6, 3),

@@ -1,40 +1,59 @@
-"""The fix catalog: cause -> Fix templates adapted to the finding; optional verification reruns.
+"""The fix catalog: mechanism and cause -> Fix templates adapted to the finding.
 
 Each template gets the finding and the evidence and returns a Fix (or None when it does not
-apply). A template may carry a verifier: a dict of ``run_step`` overrides; ``attach`` reruns the
-step with them and marks the fix verified when the step becomes finite.
+apply). A finding's fixes are its mechanism's first (qk-layernorm, z-loss, LR, AdamW eps/beta2,
+weight decay), then its cause's (precision changes last among the numeric ones): ranked by the
+evidence, not by what is easiest to check. A template may carry a remedy: the fix as changes
+nanprobe can apply from outside the user's code (:class:`nanprobe.remedy.Remedy`); ``attach``
+hands the top finding's fixes and remedies to the horizon verifier (nanprobe/horizon.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .classify import Evidence, explained_by, op_base, semantic_name
 from .classify.raised import LABEL_OUT_OF_RANGE
 from .classify.core import entered, owning_group
 from .classify.rules import constant, largest_update, lrs_seen, multiplier_above_one
+from .errors import short_path
 from .instrument import LOSS_FN
 from .precision import Precision
-from .report import Cause, Finding, Fix, Phase, Status
+from .remedy import Remedy
+from .report import Cause, Finding, Fix, Mechanism, Phase, Status
+
+RemedyFn = Callable[[Finding, Evidence], Remedy | None]
 
 
 @dataclass(frozen=True, slots=True)
 class Template:
     build: Callable[[Finding, Evidence], Fix | None]
-    verify: Callable[[Finding, Evidence], dict[str, Any] | None] | None = None
+    verify: RemedyFn | None = None      # the fix applied from outside the user's code, for the horizon
 
 
 CATALOG: dict[Cause, list[Template]] = {c: [] for c in Cause}
+MECHANISMS: dict[Mechanism, list[Template]] = {m: [] for m in Mechanism}
 
 
-def fix_for(*causes: Cause, verify: Callable[[Finding, Evidence], dict[str, Any] | None] | None = None):
+def fix_for(*causes: Cause, verify: RemedyFn | None = None):
     def deco(fn: Callable[[Finding, Evidence], Fix | None]):
         for c in causes:
             CATALOG[c].append(Template(fn, verify))
+        return fn
+    return deco
+
+
+def fix_for_mechanism(*mechanisms: Mechanism, verify: RemedyFn | None = None):
+    def deco(fn: Callable[[Finding, Evidence], Fix | None]):
+        for m in mechanisms:
+            MECHANISMS[m].append(Template(fn, verify))
         return fn
     return deco
 
@@ -71,6 +90,189 @@ def _clip_of(ev: Evidence) -> float | None:
     """The max_grad_norm the user's loop already clips at (None: no clipping)."""
     clip = ev.target.max_grad_norm
     return float(clip) if clip else None
+
+
+# -- mechanisms (a finding's mechanism ranks its fixes first) ---------------------------------------
+def _module_of(ev: Evidence, name: str | None) -> torch.nn.Module | None:
+    if not name or name == LOSS_FN:
+        return None
+    try:
+        return ev.target.model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+_ATTENTION_LINE = re.compile(r"@|matmul|bmm|einsum|scaled_dot_product_attention")
+
+
+def _forward_at(module: torch.nn.Module | None) -> tuple[str | None, str | None]:
+    """Where the module's class defines forward ("model.py:40"), and its attention line ("model.py:44: ...")."""
+    if module is None:
+        return None, None
+    fwd = type(module).forward
+    try:
+        lines, start = inspect.getsourcelines(fwd)
+        file = short_path(inspect.getsourcefile(fwd) or "")
+    except (TypeError, OSError):
+        return None, None
+    for i, line in enumerate(lines):
+        if _ATTENTION_LINE.search(line) and not line.strip().startswith("#"):
+            return f"{file}:{start}", f"{file}:{start + i}: {line.strip()}"
+    return f"{file}:{start}", None
+
+
+def _same_class(ev: Evidence, name: str | None) -> tuple[str, ...]:
+    """Every module of the named module's class (a change to the class applies to them all)."""
+    module = _module_of(ev, name)
+    if module is None:
+        return ()
+    return tuple(n for n, m in ev.target.model.named_modules() if type(m) is type(module))
+
+
+@fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH,
+                   verify=lambda f, ev: Remedy(qk_norm=_same_class(ev, f.module)) if _same_class(ev, f.module)
+                   else None)
+def _qk_layernorm(f: Finding, ev: Evidence) -> Fix | None:
+    module = _module_of(ev, f.module)
+    cls = type(module).__name__ if module is not None else "your attention module"
+    fwd, line = _forward_at(module)
+    head = getattr(module, "head_dim", None) or "head_dim"
+    code = (f"# in {cls} ({_attr(f)}{f', forward at {fwd}' if fwd else ''}): LayerNorm on q and k\n"
+            f"# in __init__:\nself.q_norm = nn.LayerNorm({head})\nself.k_norm = nn.LayerNorm({head})\n"
+            f"# in forward, after q and k are split into heads, before the scores:\n"
+            f"q, k = self.q_norm(q), self.k_norm(k)\n"
+            + (f"# then as before, at {line}" if line else
+               "scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)   # or F.scaled_dot_product_attention"))
+    return Fix(title=f"Add qk-layernorm to {cls} ({_mod(f)}): normalise q and k before q @ k^T", code=code,
+               why="at a high LR the pre-softmax logits q . k grow until the attention collapses onto one token "
+                   "(entropy near 0) and the loss breaks or a low-precision op overflows; normalised q and k "
+                   "bound the logits whatever the weights do (Dehghani et al. 2023, Wortsman et al. 2023)")
+
+
+@fix_for_mechanism(Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+                   verify=lambda f, ev: Remedy(z_loss=(f.module, 1e-4)) if _module_of(ev, f.module) is not None
+                   else None)
+def _z_loss(f: Finding, ev: Evidence) -> Fix | None:
+    name = _mod(f)
+    return Fix(title=f"Add z-loss on the logits of {name} (1e-4 * logsumexp^2)",
+               code=f"logits = model(inputs)                 # the output of {name}\n"
+                    "loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())\n"
+                    "z = torch.logsumexp(logits.float(), dim=-1)\n"
+                    "loss = loss + 1e-4 * z.pow(2).mean()   # z-loss: keeps log Z near 0",
+               why="the softmax is invariant to a shift of all logits, so nothing stops log Z (logsumexp) from "
+                   "drifting until the logits leave the dtype's range; z-loss pulls it back to 0 (PaLM, "
+                   "Wortsman et al. 2023)")
+
+
+def _adam_group(ev: Evidence) -> dict[str, Any] | None:
+    opts = ev.target.optimizers
+    if not opts or not opts[0][1].param_groups:
+        return None
+    g = opts[0][1].param_groups[0]
+    return g if "betas" in g and "eps" in g else None
+
+
+def _adam_change(ev: Evidence, key: str) -> tuple[Any, Any] | None:
+    """(was, new) of the group key an Adam-second-moment fix changes; None where it is already safe."""
+    g = _adam_group(ev)
+    if g is None:
+        return None
+    if key == "betas":
+        return (tuple(g["betas"]), (g["betas"][0], 0.95)) if g["betas"][1] > 0.95 else None
+    return (g["eps"], 1e-6) if g["eps"] < 1e-6 else None
+
+
+def _adam_remedy(key: str) -> RemedyFn:
+    def remedy(f: Finding, ev: Evidence) -> Remedy | None:
+        change = _adam_change(ev, key)
+        return Remedy(param_overrides=((key, change[1]),)) if change else None
+    return remedy
+
+
+def _adam_fix(ev: Evidence, key: str, title: str, why: str) -> Fix | None:
+    change = _adam_change(ev, key)
+    if change is None:
+        return None
+    was, new = change
+    return Fix(title=title.format(opt=_opt_name(ev), was=was),
+               code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr=..., {key}={new!r})"
+                    f"  # was {key}={was!r}", why=why)
+
+
+@fix_for_mechanism(Mechanism.ADAM_SECOND_MOMENT, verify=_adam_remedy("betas"))
+def _adam_beta2(f: Finding, ev: Evidence) -> Fix | None:
+    return _adam_fix(ev, "betas", "Lower {opt}'s beta2 to 0.95 (betas are {was})",
+                     "with a slow second moment v lags behind a gradient that grows again after a quiet stretch: "
+                     "m / sqrt(v) becomes huge; beta2 0.95 lets v follow the gradient")
+
+
+@fix_for_mechanism(Mechanism.ADAM_SECOND_MOMENT, verify=_adam_remedy("eps"))
+def _adam_eps(f: Finding, ev: Evidence) -> Fix | None:
+    return _adam_fix(ev, "eps", "Raise {opt}'s eps to 1e-6 (it is {was:g})",
+                     "where the gradient's RMS falls toward eps, sqrt(v) no longer bounds the update m / (sqrt(v) + "
+                     "eps); a larger eps caps the step of parameters whose second moment collapsed")
+
+
+LOWER_LR = 0.3   # the lower peak LR the mechanism fixes propose and verify: this times the run's
+
+
+def _peak(ev: Evidence) -> float | None:
+    lrs = lrs_seen(ev.reached)
+    return max(lrs) if lrs else None
+
+
+@fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+                   Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
+                   verify=lambda f, ev: Remedy(lr_scale=LOWER_LR))
+def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
+    peak = _peak(ev)
+    was = f"  # was {peak:.3g}" if peak else ""
+    lr = f"{peak * LOWER_LR:.3g}" if peak else f"{LOWER_LR} * peak_lr"
+    longer = " or warm up longer" if f.mechanism is Mechanism.ATTENTION_LOGIT_GROWTH else ""
+    return Fix(title=f"Lower the peak learning rate ({LOWER_LR:g}x){longer}",
+               code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr}){was}\n"
+                    "# keep the schedule's shape (warmup, decay): it multiplies the new peak"
+                    + ("\n# or keep the peak and warm up over several times more steps" if longer else ""),
+               why="the growth is driven by the step size: Adam moves every weight by about the LR per step, so "
+                   "the logits and activations grow with it; a lower peak keeps them in range")
+
+
+@fix_for_mechanism(Mechanism.LR_SCHEDULE, verify=lambda f, ev: Remedy(warmup=2 * max(ev.reached.step, 1)))
+def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
+    steps = 2 * max(ev.reached.step, 1)
+    return Fix(title=f"Warm up longer: over {steps} steps",
+               code=f"warmup = {steps}  # steps: twice the step the run failed at\n"
+                    "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+                    "    optimizer, lambda step: min(1.0, (step + 1) / warmup) * your_decay(step))",
+               why="the run broke while the LR was still rising to (or had just reached) its peak: a longer "
+                   "warmup lets the weights and Adam's moments settle before the full step size")
+
+
+def _decay_remedy(f: Finding, ev: Evidence) -> Remedy | None:
+    opts = ev.target.optimizers
+    if not opts or type(opts[0][1]).__name__ != "AdamW":
+        return None
+    return Remedy(param_overrides=(("weight_decay", 0.1),)) \
+        if opts[0][1].param_groups[0].get("weight_decay", 0) < 0.1 else None
+
+
+@fix_for_mechanism(Mechanism.OUTPUT_LOGIT_DIVERGENCE, Mechanism.ACTIVATION_GROWTH, verify=_decay_remedy)
+def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
+    opts = ev.target.optimizers
+    wd = opts[0][1].param_groups[0].get("weight_decay", 0) if opts and opts[0][1].param_groups else 0
+    if wd >= 0.1:
+        return None
+    return Fix(title="Use decoupled weight decay 0.1 (AdamW)",
+               code=f"optimizer = torch.optim.AdamW(model.parameters(), lr=..., weight_decay=0.1)  # was {wd:g}"
+                    + ("" if _opt_name(ev) == "AdamW" else f" with {_opt_name(ev)}"),
+               why="weight decay pulls the weights' norm back every step, so the logits and activations they "
+                   "produce cannot grow without bound")
+
+
+@fix_for_mechanism(Mechanism.LOSS_SCALE_COLLAPSE, verify=lambda f, ev: Remedy(precision=Precision.BF16)
+                   if ev.reached.precision is Precision.FP16 else None)
+def _loss_scale_bf16(f: Finding, ev: Evidence) -> Fix | None:
+    return _bf16(f, ev)
 
 
 # -- op and error semantics (first: the specific fix before the generic ones) ----------------------
@@ -198,7 +400,7 @@ def _is_low_run(ev: Evidence) -> bool:
     return ev.reached.precision.low
 
 
-@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: {"precision": Precision.BF16}
+@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(precision=Precision.BF16)
          if ev.reached.precision is Precision.FP16 else None)
 def _bf16(f: Finding, ev: Evidence) -> Fix | None:
     if ev.reached.precision is not Precision.FP16:
@@ -224,7 +426,7 @@ def _island_modules(f: Finding, ev: Evidence) -> tuple[str, ...]:
 
 
 @fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, Cause.LOG, Cause.DIV, Cause.SQRT,
-         verify=lambda f, ev: {"fp32_module": _island_modules(f, ev)}
+         verify=lambda f, ev: Remedy(fp32_modules=_island_modules(f, ev))
          if _is_low_run(ev) and f.module and f.module != LOSS_FN and f.phase is not Phase.UPDATE else None)
 def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
     if not _is_low_run(ev) or f.phase is Phase.UPDATE:
@@ -297,7 +499,15 @@ def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
 
 
 # -- lr -----------------------------------------------------------------------------------------
-@fix_for(Cause.LR_SPIKE)
+def _lower_lr_remedy(f: Finding, ev: Evidence) -> Remedy | None:
+    """The LR fix below as a change to the LR the scheduler sets (a multiplier above 1 has none)."""
+    lrs = lrs_seen(ev.reached)
+    if lrs and multiplier_above_one(ev.reached, max(lrs)):
+        return None
+    return Remedy(lr_scale=0.01, warmup=1000) if constant(lrs) else Remedy(warmup=1000)
+
+
+@fix_for(Cause.LR_SPIKE, verify=_lower_lr_remedy)
 def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
     lrs = lrs_seen(ev.reached)
     if lrs and multiplier_above_one(ev.reached, max(lrs)):
@@ -340,7 +550,7 @@ def _opt_name(ev: Evidence) -> str:
     return type(opts[0][1]).__name__ if opts else "AdamW"
 
 
-@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: {"max_grad_norm": 1.0}
+@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: Remedy(max_grad_norm=1.0)
          if ev.reached.record is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE)
          and ev.reached.snapshot is not None and _clip_of(ev) is None else None)
 def _clip(f: Finding, ev: Evidence) -> Fix | None:
@@ -462,7 +672,7 @@ def _sqrt_eps(f: Finding, ev: Evidence) -> Fix | None:
                why="d/dx sqrt(x) = 1/(2 sqrt(x)) is infinite at x = 0, and 0 * inf = NaN in the chain rule")
 
 
-@fix_for(Cause.DIV, Cause.UNDERFLOW, verify=lambda f, ev: {"param_overrides": {"eps": 1e-8}}
+@fix_for(Cause.DIV, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(param_overrides=(("eps", 1e-8),))
          if f.phase is Phase.UPDATE else None)
 def _div_eps(f: Finding, ev: Evidence) -> Fix | None:
     e = ev.origin
@@ -569,36 +779,25 @@ def _guard(f: Finding, ev: Evidence) -> Fix | None:
                why="one bad batch or glitch no longer corrupts the weights; the capsule replays the exact step")
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return ", ".join(map(_show, value))
-    return str(value.value if hasattr(value, "value") else value)
+def attach(findings: list[Finding], ev: Evidence,
+           verify: Callable[[Finding, list[tuple[Fix, Remedy | None]]], list[Fix]] | None = None) -> list[Finding]:
+    """Fill each finding's fixes from the catalog: its mechanism's first, then its cause's.
 
-
-def attach(findings: list[Finding], ev: Evidence, verify: Callable[[dict[str, Any]], bool | None] | None,
-           *, verify_enabled: bool = True) -> list[Finding]:
-    """Fill each finding's fixes from the catalog, verifying the cheap ones by a rerun."""
-    cache: dict[str, bool | None] = {}
+    ``verify`` (the horizon verifier) gets the top finding's fixes with their remedies and returns
+    them with their verdicts. A fix that failed over the horizon is listed after the others; the
+    rest keep the evidence's order."""
     out = []
-    for f in findings:
-        fixes = []
-        for tpl in CATALOG[f.cause]:
+    for i, f in enumerate(findings):
+        templates = (MECHANISMS[f.mechanism] if f.mechanism is not None else []) + CATALOG[f.cause]
+        candidates: list[tuple[Fix, Remedy | None]] = []
+        titles: set[str] = set()
+        for tpl in templates:
             fix = tpl.build(f, ev)
-            if fix is None:
+            if fix is None or fix.title in titles:
                 continue
-            if verify_enabled and verify is not None and tpl.verify is not None:
-                overrides = tpl.verify(f, ev)
-                if overrides is not None:
-                    key = repr(sorted(overrides.items()))
-                    if key not in cache:
-                        cache[key] = verify(dict(overrides))
-                    result = cache[key]
-                    if result is not None:
-                        note = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items())
-                        fix = dataclasses.replace(fix, verified=result,
-                                                  verify_note=f"rerun of step {ev.reached.step} with {note}: "
-                                                              + ("finite" if result else "still non-finite"))
-            fixes.append(fix)
-        fixes.sort(key=lambda x: {True: 0, None: 1, False: 2}[x.verified])
+            titles.add(fix.title)
+            candidates.append((fix, tpl.verify(f, ev) if tpl.verify is not None else None))
+        fixes = verify(f, candidates) if i == 0 and verify is not None else [fix for fix, _ in candidates]
+        fixes.sort(key=lambda x: x.verified is False)
         out.append(dataclasses.replace(f, fixes=tuple(fixes)))
     return out

@@ -31,7 +31,7 @@ def _pct(x) -> str:
     return "-" if x is None else ("0" if x == 0 else f"{100 * x:.2g}%")
 
 
-_MARK = {True: "[green]✓ verified[/]", False: "[red]✗ rerun still fails[/]", None: "[dim]not verified[/]"}
+_MARK = {True: "[green]✓ verified[/]", False: "[red]✗ failed over the horizon[/]", None: "[dim]not verified[/]"}
 
 
 def render_report(report: Report, console: Console, *, verbose: bool = False) -> None:
@@ -47,6 +47,11 @@ def render_report(report: Report, console: Console, *, verbose: bool = False) ->
                 if fix.verify_note:
                     body.append(Text(fix.verify_note, style="dim italic"))
                 console.print(Panel(Group(*body), title=title, title_align="left", border_style="cyan"))
+            for fix in f.fixes[3 if i == 0 else 1:]:
+                if fix.verification is not None:   # trained over the horizon: its verdict is shown, not hidden
+                    console.print(Text.from_markup(f"  also trained over the horizon: [bold]{fix.title}[/]  "
+                                                   f"{_MARK[fix.verified]}"))
+                    console.print(Text(f"    {fix.verify_note}", style="dim italic"))
     if report.precisions:
         console.print(_precisions(report))
     if report.context:

@@ -116,8 +116,8 @@ def describe(report: Report, steps_run: int | None = None, *, capsule: str | Non
         lines += [f"  evidence: {e}" for e in top.evidence[:4]]
         if top.fixes:
             fix = top.fixes[0]
-            mark = {True: "verified", False: "rerun still fails", None: "not verified"}[fix.verified]
-            lines.append(f"  fix ({mark}): {fix.title}")
+            mark = {True: "verified", False: "failed over the horizon", None: "not verified"}[fix.verified]
+            lines.append(f"  fix ({mark}): {fix.title}" + (f" - {fix.verify_note}" if fix.verify_note else ""))
             lines += ["      " + line for line in fix.code.splitlines()[:6]]
     if capsule:
         lines.append(f"  capsule: {capsule}")
