@@ -22,7 +22,10 @@ sync), so both decide the same on the same history. The decisions:
 Cut-offs are computed when a value is added (``add``), so judging a step is a few comparisons.
 What the model cannot see: a one-off NaN gradient that GradScaler skips looks like a scaled
 overflow until the scale falls below ``min_scale``; a lasting shift of the data (a new shard)
-looks like divergence (the classifier then reports ``data`` when LR and updates did not change).
+looks like divergence (the classifier reports ``data`` only where a key of the batch stands out
+against the batches before it, else ``unknown``). ``run`` without ``--at`` asks whether a spike was
+decided at once (``at_once``) and, if so, whether the next steps come ``back_to_normal``: such an
+excursion is an onset, not the failure (``replay.reach(excursions=True)``).
 """
 
 from __future__ import annotations

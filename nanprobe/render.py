@@ -94,8 +94,13 @@ def _verdict(r: Report) -> Panel:
                 lines.add_row("samples", micro + ", ".join(map(str, o.samples)))
         top = r.top
         if top:
-            specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES)] or list(top.evidence)
+            began = [e for e in top.evidence if e.startswith("onset: ") or " did not recover (" in e]
+            specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES) and e not in began] \
+                or list(top.evidence)
             lines.add_row("cause", f"[bold]{top.cause.value}[/] ({top.confidence:.2f})  {specific[-1] if specific else ''}")
+            if top.onset is not None:
+                said = began[0].removeprefix("onset: ").removeprefix(f"step {top.onset} was ") if began else ""
+                lines.add_row("onset", f"step {top.onset}" + (f": {said}" if said else ""))
     lines.add_row("run", f"{r.entry}  ·  {r.precision}  ·  {r.device}"
                   + (f"  ·  {r.autocast_policy}" if r.autocast_policy else "")
                   + (f"  ·  reached by {r.reached_by}" if r.reached_by else ""))

@@ -396,14 +396,10 @@ def test_a_nan_constant_in_the_code_gets_a_finding_with_its_origin():
 
 
 def test_progress_lines_on_stderr_without_a_terminal_and_pure_json_on_stdout(tmp_path):
-    import subprocess
-    import sys
     cfg = tmp_path / "fast.yaml"
-    cfg.write_text("run:\n  progress_every: 0.05\n")
-    out = subprocess.run([sys.executable, "-c", "from nanprobe.cli import app; app()", "run", f"{H}:endless",
-                          "--at", "40", "--config", str(cfg), "--json", "-"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["step"] == 40
-    lines = [line for line in out.stderr.splitlines() if line.startswith("nanprobe: replayed step")]
-    assert lines and all(line.endswith(" s)") for line in lines), out.stderr
+    cfg.write_text("run:\n  progress_every: 0.01\n")
+    result = invoke("run", f"{H}:endless", "--at", "30", "--config", cfg, "--json", "-")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step"] == 30
+    lines = [line for line in result.stderr.splitlines() if line.startswith("nanprobe: replayed step")]
+    assert lines and all(line.endswith(" s)") for line in lines), result.stderr
