@@ -7,7 +7,7 @@ the examples that import it differ only in how they configure and train it.
 
 Qualified module names (what ``model.named_modules()`` reports):
 ``tok_emb``, ``pos_emb``, ``blocks.<i>.ln1``, ``blocks.<i>.attn`` (with
-``.q``, ``.k``, ``.v``, ``.o``), ``blocks.<i>.ln2``, ``blocks.<i>.ff`` (with
+``.q``, ``.k``, ``.v``, ``.o``, and ``.q_norm``/``.k_norm`` when ``qk_norm=True``), ``blocks.<i>.ln2``, ``blocks.<i>.ff`` (with
 ``.fc1``, ``.act``, ``.fc2``), ``ln_f``, ``lm_head``.
 """
 
@@ -30,12 +30,13 @@ class TransformerConfig:
     n_layers: int = 2
     ff_mult: int = 4
     init_std: float = 0.02
+    qk_norm: bool = False        # LayerNorm on q and k per head before q @ k^T (the qk-layernorm cure)
 
 
 class MultiHeadAttention(nn.Module):
     """Causal self-attention, written out by hand."""
 
-    def __init__(self, d_model: int, n_heads: int, max_len: int):
+    def __init__(self, d_model: int, n_heads: int, max_len: int, qk_norm: bool = False):
         super().__init__()
         assert d_model % n_heads == 0
         self.n_heads = n_heads
@@ -44,6 +45,9 @@ class MultiHeadAttention(nn.Module):
         self.k = nn.Linear(d_model, d_model)
         self.v = nn.Linear(d_model, d_model)
         self.o = nn.Linear(d_model, d_model)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
         mask = torch.triu(torch.ones(max_len, max_len, dtype=torch.bool), diagonal=1)
         self.register_buffer("causal_mask", mask, persistent=False)
 
@@ -54,6 +58,8 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # The textbook formula, scaled after the matmul.
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(self.causal_mask[:t, :t], float("-inf"))
@@ -79,7 +85,7 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.max_len)
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.max_len, cfg.qk_norm)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ff = FeedForward(cfg.d_model, cfg.ff_mult * cfg.d_model)
 
