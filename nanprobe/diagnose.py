@@ -12,6 +12,7 @@ import torch
 from . import fidelity
 from .checks import DataProblem, check_batch
 from .classify import Evidence, classify, explains, scaler_skip_note
+from .classify.mechanism import mechanism_findings
 from .config import Config, load_config
 from .entry import Loaded, load_target
 from .errors import UsageError, UserCodeError
@@ -142,7 +143,8 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
         try:
             of = f" of {at}" if at is not None else ""
             reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=loaded.where, max_steps=max_steps,
-                            on_progress=lambda s: progress(f"replayed step {s}{of}"), policy=policy)
+                            on_progress=lambda s: progress(f"replayed step {s}{of}"), policy=policy,
+                            monitor=cfg.monitor)
         except NoBadStep as done:
             return _healthy(loaded, done, prec, device, cfg, command, policy)
     try:
@@ -236,6 +238,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   others={k: v for k, v in traces.items() if k not in (prec.value,)}, data=data, cfg=cfg.run,
                   entry=loaded.entry)
     findings = classify(ev)
+    findings, onset = mechanism_findings(findings, trend=reached.trend, status=reached.status, step=reached.step,
+                                         breakaway=reached.breakaway, ranges=main.trace.ranges if main.trace else (),
+                                         prec=prec, origin_module=main.origin.module if main.origin else None)
 
     def verify(overrides: dict[str, Any]) -> bool | None:
         if reached.status is Status.SPIKE:
@@ -285,6 +290,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   context=context, history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy),
                   reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
+                  trajectory=reached.trend.to_json(onset) if reached.trend is not None and onset is not None else None,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})
 

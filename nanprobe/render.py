@@ -91,6 +91,13 @@ def _verdict(r: Report) -> Panel:
         if top:
             specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES)] or list(top.evidence)
             lines.add_row("cause", f"[bold]{top.cause.value}[/] ({top.confidence:.2f})  {specific[-1] if specific else ''}")
+            if top.mechanism is not None:
+                began = f", began at step {top.onset}" if top.onset is not None else ""
+                lines.add_row("mechanism", f"[bold]{top.mechanism.value}[/] in {top.module or '(model)'}{began}: "
+                              + (top.evidence[0] if top.evidence else ""))
+    if r.trajectory and r.trajectory.get("warnings"):
+        w = r.trajectory["warnings"][0]
+        lines.add_row("[yellow]warned[/]", f"[yellow]step {w['step']}: {w['message']}[/]")
     lines.add_row("run", f"{r.entry}  ·  {r.precision}  ·  {r.device}"
                   + (f"  ·  {r.autocast_policy}" if r.autocast_policy else "")
                   + (f"  ·  reached by {r.reached_by}" if r.reached_by else ""))
@@ -127,8 +134,9 @@ def _findings(r: Report) -> Table:
     t.add_column("evidence", ratio=1)
     for i, f in enumerate(r.findings, 1):
         lines = [e for e in f.evidence if not (r.origin and e.startswith(_ORIGIN_PREFIXES))]
-        t.add_row(str(i), f.cause.value, f"{f.confidence:.2f}", f.phase.value, f.module or "-",
-                  "\n".join(lines[:5] if i == 1 else lines[-2:]))
+        cause = f.cause.value + (f"\n{f.mechanism.value}" if f.mechanism is not None else "")
+        t.add_row(str(i), cause, f"{f.confidence:.2f}", f.phase.value, f.module or "-",
+                  "\n".join(lines[:8 if f.mechanism is not None else 5] if i == 1 else lines[-2:]))
     return t
 
 
