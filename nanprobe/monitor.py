@@ -259,7 +259,8 @@ class Signal:
     module: str | None
     onset: int                 # the first step outside the band
     evidence: tuple[str, ...]
-    projected: int | None = None   # the step a dtype limit would be crossed at the current trend
+    projected: tuple[int, int] | None = None   # the steps a dtype limit would be crossed (exponential, power law)
+    growth: float = 0.0        # the statistic now over its healthy level
 
     def headline(self) -> str:
         where = f"{self.module}: " if self.module else ""
@@ -289,8 +290,10 @@ class Trend:
 
     # -- the mechanisms --------------------------------------------------------------------------------
     def _baseline(self, pts: list[tuple[int, float]]) -> float:
-        first = sorted(x for _, x in pts[: max(self.cfg.baseline_samples, 1)])
-        return first[len(first) // 2] if first else 0.0
+        """The healthy level: the smallest of the first samples (a live run monitored every 10 steps
+        may already be growing by its 3rd sample)."""
+        first = [x for _, x in pts[: max(self.cfg.baseline_samples, 1)]]
+        return min(first) if first else 0.0
 
     def signals(self) -> list[Signal]:
         """Every precursor out of its band now, most advanced first."""
@@ -299,13 +302,13 @@ class Trend:
         dmax = torch.finfo(self.dtype).max if self.dtype is not None else torch.finfo(torch.float32).max
         for key, pts in self.series.items():
             module, _, stat = key.rpartition("/")
-            if stat != "max_logit" or len(pts) < c.baseline_samples + 1:
+            if stat != "max_logit" or len(pts) < 2:
                 continue
             base = max(self._baseline(pts), 1e-6)
             step, last = pts[-1]
             if last < c.attention_logit_limit or last < c.growth_factor * base:
                 continue
-            cut = max(c.growth_factor * base, min(c.attention_logit_limit, c.growth_factor * base * 10))
+            cut = c.growth_factor * base   # the band: growth_factor x the healthy level
             onset = next((s for s, x in pts if x > cut), step)
             ev = [f"attention logits grew from {_fmt(base)} to {_fmt(last)} by step {step} "
                   f"({last / base:.0f}x); past {_fmt(cut)} from step {onset}"]
@@ -322,12 +325,12 @@ class Trend:
             projected = _project(prod, dmax) if dmax < 1e6 else None   # fp16: bf16/fp32 logits never reach theirs
             if projected is not None:
                 ev.append(f"at this growth |q.k| reaches the {_dtype_name(self.dtype)} max {dmax:.3g} "
-                          f"near step {projected}")
+                          f"between step {projected[0]} and {projected[1]}")
             out.append(Signal(mechanism=Mechanism.ATTENTION_LOGIT_GROWTH, module=module, onset=onset,
-                              evidence=tuple(ev), projected=projected))
+                              evidence=tuple(ev), projected=projected, growth=last / base))
         lse = [(k, p) for k, p in self.series.items() if k.endswith("/logsumexp")]
         for key, pts in lse:
-            if len(pts) < c.baseline_samples + 1:
+            if len(pts) < 2:
                 continue
             base = self._baseline(pts)
             step, last = pts[-1]
@@ -338,7 +341,7 @@ class Trend:
                                                          f"by step {step}; past {c.output_logsumexp_limit:g} "
                                                          f"from step {onset}",)))
         head = self.series.get("activations/headroom_bits")
-        if head and self.dtype in (torch.float16,) and len(head) > c.baseline_samples:
+        if head and self.dtype in (torch.float16,) and len(head) > 1:
             step, last = head[-1]
             if last < c.headroom_bits:
                 onset = next((s for s, x in head if x < c.headroom_bits + 3), step)
@@ -347,7 +350,7 @@ class Trend:
                                   evidence=(f"activations {last:.1f} bits below the {_dtype_name(self.dtype)} max "
                                             f"at step {step} (from {head[0][1]:.1f} bits at step {head[0][0]})",)))
         eps = self.series.get("optimizer/adam_v_below_eps")
-        if eps and eps[-1][1] > c.adam_eps_share and len(eps) > c.baseline_samples:
+        if eps and eps[-1][1] > c.adam_eps_share and len(eps) > 1:
             onset = next((s for s, x in eps if x > c.adam_eps_share), eps[-1][0])
             out.append(Signal(mechanism=Mechanism.ADAM_SECOND_MOMENT, module=None, onset=onset,
                               evidence=(f"{eps[-1][1]:.0%} of Adam's second-moment entries have sqrt(v) below eps "
@@ -360,7 +363,7 @@ class Trend:
                 onset = next((s for s, x in scale if top / max(x, 1e-30) >= 2 and s > 0), step)
                 out.append(Signal(mechanism=Mechanism.LOSS_SCALE_COLLAPSE, module=None, onset=onset,
                                   evidence=(f"GradScaler's loss scale fell from {top:g} to {last:g} by step {step}",)))
-        out.sort(key=lambda s: s.onset)
+        out.sort(key=lambda s: (s.onset, -s.growth))
         return out
 
     def lr_note(self, onset: int) -> str | None:
@@ -389,11 +392,13 @@ class Trend:
             fixes = _WARN_FIXES.get(sig.mechanism, "")
             line = f"{sig.headline()}: {sig.mechanism.value}"
             if sig.projected is not None:
-                line += f"; a {_dtype_name(self.dtype)} limit would be crossed near step {sig.projected}"
+                line += (f"; the {_dtype_name(self.dtype)} max would be crossed between step {sig.projected[0]} "
+                         f"and {sig.projected[1]}")
             if fixes:
                 line += f"; fixes: {fixes}"
             w = {"step": step, "mechanism": sig.mechanism.value, "module": sig.module, "onset": sig.onset,
-                 "projected_step": sig.projected, "message": line}
+                 "projected_step": sig.projected[0] if sig.projected else None,
+                 "projected_range": list(sig.projected) if sig.projected else None, "message": line}
             self.warnings.append(w)
             return w
         return None
@@ -424,19 +429,23 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "fp32"}.get(dtype, str(dtype))
 
 
-def _project(pts: list[tuple[int, float]], limit: float, window: int = 8) -> int | None:
-    """The step at which a series growing log-linearly over its last ``window`` samples reaches ``limit``."""
+def _project(pts: list[tuple[int, float]], limit: float, window: int = 3) -> tuple[int, int] | None:
+    """When a series growing over its last ``window`` samples reaches ``limit``: the earliest step
+    (exponential growth at the current rate) and the latest (power-law growth at the current
+    exponent; under Adam the q/k weights drift about linearly, so q.k grows about quadratically)."""
     tail = [(s, x) for s, x in pts[-window:] if x > 0]
-    if len(tail) < 3:
+    if len(tail) < 2:
         return None
     (s0, x0), (s1, x1) = tail[0], tail[-1]
     if x1 <= x0 or s1 <= s0 or x1 >= limit:
         return None
     rate = (math.log(x1) - math.log(x0)) / (s1 - s0)   # log growth per step
-    steps = (math.log(limit) - math.log(x1)) / rate
-    if steps > 100_000:
+    early = s1 + math.ceil((math.log(limit) - math.log(x1)) / rate)
+    power = (math.log(x1) - math.log(x0)) / (math.log(s1 + 1) - math.log(s0 + 1))
+    late = math.ceil((s1 + 1) * (limit / x1) ** (1 / power)) - 1
+    if early - s1 > 100_000:
         return None
-    return s1 + int(math.ceil(steps))
+    return early, min(max(late, early), s1 + 100_000)
 
 
 __all__ = ["Monitor", "Sample", "Signal", "Trend", "attention_modules"]

@@ -34,12 +34,13 @@ def _near_max(ranges, prec: Precision, factor: float = 2.0) -> list[str]:
 
 
 def _pick(signals: list[Signal], origin_module: str | None) -> Signal:
-    """The signal that explains the failure: the one in the origin's module, else the earliest."""
+    """The signal that explains the failure: the one in the origin's module, else the attention layer
+    whose logits grew most, else the earliest."""
     for s in signals:
         if origin_module and s.module and (origin_module == s.module or origin_module.startswith(s.module + ".")):
             return s
     attn = [s for s in signals if s.mechanism is Mechanism.ATTENTION_LOGIT_GROWTH]
-    return attn[0] if attn else signals[0]
+    return max(attn, key=lambda s: s.growth) if attn else signals[0]
 
 
 def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: Status, step: int,
