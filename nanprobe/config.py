@@ -100,6 +100,7 @@ class CompareConfig:
     top: int = 8
     loss_tolerance: float = 0.02
     min_cosine: float = 0.99
+    disagree_cosine: float = 0.9
     underflow_share: float = 0.05
     max_scale_halvings: int = 24
     max_reference_mb: float = 2048.0
@@ -118,6 +119,7 @@ class MonitorConfig:
     headroom_bits: float = 1.0
     adam_eps_share: float = 0.5
     loss_scale_drop: float = 1024.0
+    min_lead: int = 5
     breakaway_window: int = 10
     breakaway_sigmas: float = 4.0
     breakaway_rise: float = 0.1

@@ -268,6 +268,8 @@ def render_comparison(cmp, console: Console) -> None:
         console.print(lt)
     console.print(Panel(Text(cmp.recommendation), title="[bold]recommendation[/]", title_align="left",
                         border_style="green" if cmp.recommended else "yellow"))
+    for d in cmp.disagreements:
+        console.print(f"[red]finding: {d['evidence']}[/]")
     for note in cmp.notes:
         console.print(f"[dim]note: {note}[/]")
 

@@ -47,7 +47,9 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
                        breakaway: dict[str, Any] | None, ranges, prec: Precision,
                        origin_module: str | None) -> tuple[list[Finding], int | None]:
     """``findings`` with the mechanism finding first (where the series show one), and the onset."""
-    signals = trend.signals() if trend is not None else []
+    # a slow mechanism began before the failure: a precursor first out of its band at the failing step
+    # itself (a one-step LR explosion moves every statistic at once) is the failure, not its cause
+    signals = [s for s in (trend.signals() if trend is not None else []) if s.onset <= step - trend.cfg.min_lead]
     if status is Status.FINITE or not signals and breakaway is None:
         return findings, None
     near = _near_max(ranges, prec)
@@ -80,7 +82,7 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
     others = [s for s in signals if s is not sig]
     for s in others[:3]:
         ev.append(f"also: {s.module + ' ' if s.module else ''}{s.mechanism.value} from step {s.onset}")
-    if top is not None and top.cause is not Cause.NOT_REPRODUCED and status is Status.NONFINITE:
+    if top is not None and top.cause is not Cause.NOT_REPRODUCED and status is not Status.DIVERGING:
         cause, phase, op = top.cause, top.phase, top.op if top.module == sig.module else None
         conf = min(0.99, top.confidence + 0.02)
         if top.module and top.module != sig.module:
