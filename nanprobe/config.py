@@ -109,7 +109,7 @@ class CompareConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MonitorConfig:
     enabled: bool = True
-    every: int = 1
+    every: int = 2
     live_every: int = 10
     baseline_samples: int = 5
     growth_factor: float = 10.0

@@ -10,8 +10,8 @@ records, as device tensors read back with one sync at the end of the step:
   ``/ sqrt(d)``); for ``F.scaled_dot_product_attention`` the bound ``scale * max|q_i| * max|k_j|``
   (the fused kernel's logits are never materialised);
 - the output logits' largest logsumexp (log Z) at the last ``nn.Linear`` of the model;
-- the activation headroom: log2(dtype max / largest |activation|) over the leaf modules, and which
-  module is closest to the training dtype's max;
+- in fp16, the activation headroom: log2(dtype max / largest |activation|) over the leaf modules, and
+  which module is closest to the dtype's max (bf16 and fp32 reach 3.4e38: not measured there);
 - the global and per-layer gradient norm, Adam's second moment against eps (the share of entries
   with sqrt(v) below eps), the loss scale and the LR.
 
@@ -81,14 +81,17 @@ class _AttentionMode(TorchFunctionMode):
         try:
             with torch.no_grad():
                 if func in _SOFTMAX and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+                    # the largest finite logit: masked -inf entries excluded (one aminmax over the finite ones
+                    # would cost a copy; the max of |min| over finite rows is read from the softmax instead)
                     x = args[0].detach()
-                    finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
-                    self._put("max_logit", finite.abs().amax().float())
-                    p = out.detach().float()
-                    ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
-                    self._put("entropy", ent)
+                    lo, hi = torch.aminmax(x)
+                    self._put("max_logit", _finite_absmax(lo, hi))
+                    # entropy of the first sample's rows: attention collapse shows in every sample
+                    p = out.detach()[:1].float()
+                    self._put("entropy", -torch.special.xlogy(p, p).sum(-1).mean())
                 elif func in _MATMUL and isinstance(out, torch.Tensor) and out.dim() >= 3:
-                    self._put("max_product", out.detach().abs().amax().float())
+                    lo, hi = torch.aminmax(out.detach())
+                    self._put("max_product", _finite_absmax(lo, hi))
                 elif func is _SDPA:
                     q, k = args[0].detach(), args[1].detach()
                     scale = kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
@@ -100,6 +103,13 @@ class _AttentionMode(TorchFunctionMode):
 
     def _put(self, stat: str, value: torch.Tensor) -> None:
         self.sink.setdefault(f"{self.name}/{stat}", []).append(value)
+
+
+def _finite_absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """max(|min|, |max|) as fp32, with a non-finite end (an intended -inf mask, an overflow) left out."""
+    lo, hi = lo.float(), hi.float()
+    zero = torch.zeros((), device=lo.device)
+    return torch.maximum(torch.where(torch.isfinite(lo), -lo, zero), torch.where(torch.isfinite(hi), hi, zero))
 
 
 def _enter(mode: _AttentionMode) -> None:
@@ -129,7 +139,10 @@ class Monitor:
         self.dtype = dtype
         self.attention = attention_modules(model)
         self.output = _output_module(model)
-        self.leaves = [(n, m) for n, m in model.named_modules() if n and not any(True for _ in m.children())]
+        # activation headroom only where the dtype's range is short (fp16): bf16 and fp32 reach 3.4e38, and a
+        # hook on every leaf module is most of the monitor's cost
+        self.leaves = [(n, m) for n, m in model.named_modules() if n and not any(True for _ in m.children())] \
+            if dtype is not None and torch.finfo(dtype).max < 1e6 else []
         self.named_params = list(model.named_parameters())
         self.trend = Trend(cfg, dtype)
         self._handles: list[Any] = []
@@ -165,9 +178,8 @@ class Monitor:
     def _act(self, name: str, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
             with torch.no_grad():
-                x = out.detach()
-                m = x.abs().amax()
-                self._acts.append((name, torch.where(torch.isfinite(m), m, torch.zeros_like(m)).float()))
+                lo, hi = torch.aminmax(out.detach())
+                self._acts.append((name, _finite_absmax(lo, hi)))
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -242,7 +254,7 @@ class Monitor:
                     st = opt.state.get(p, {})
                     v = st.get("exp_avg_sq")
                     if isinstance(v, torch.Tensor) and v.numel():
-                        below.append((v.sqrt() < eps).sum())
+                        below.append((v < eps * eps).sum())   # sqrt(v) < eps, without a sqrt pass
                         total += v.numel()
         if not below:
             return None

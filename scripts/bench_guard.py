@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="override max_grad_norm (0 = no clipping)")
     parser.add_argument("--config", default=None, help="JSON config dict passed to the entry function (model size)")
     parser.add_argument("--no-monitor", action="store_true", help="the Guard without the precursor monitor")
+    parser.add_argument("--monitor-cost", action="store_true",
+                        help="also time a monitored step against a plain one (thread CPU time, interleaved): the "
+                             "monitor's cost per monitored step and its share at monitor.every / live_every")
     args = parser.parse_args()
 
     if args.entry is None and DEFAULT_ENTRY.exists():
@@ -153,6 +156,8 @@ def main() -> None:
         sync()
         return (time.perf_counter() - t0) / args.block
 
+    if args.monitor_cost:
+        _monitor_cost(model, opt, plain, data, cursor, args.pairs, precision)
     for _ in range(args.warmup):
         block(plain)
         block(guarded)
@@ -180,6 +185,34 @@ def main() -> None:
           f"{'off' if guard.monitor is None else f'every {guard.monitor.every} steps'}; "
           f"early warnings {len(guard.warnings)} (a healthy run has none)")
     tmp.cleanup()
+
+
+def _monitor_cost(model, opt, plain, data, cursor, pairs: int, precision) -> None:
+    """A monitored step (hooks, attention mode, one read-back) against a plain one, interleaved."""
+    from nanprobe.config import load_config
+    from nanprobe.monitor import Monitor
+    cfg = load_config().monitor
+    mon = Monitor(model, cfg, dtype=precision.dtype if precision.low else None, every=1)
+    clock = time.thread_time
+
+    def monitored(batch) -> None:
+        mon.begin(0)
+        plain(batch)
+        mon.end(0, loss=0.0, optimizers=[opt])
+
+    for fn in (plain, monitored, plain, monitored):
+        fn(data[next(cursor)])
+    p, m = [], []
+    for _ in range(max(pairs, 10)):
+        for fn, out in ((plain, p), (monitored, m), (monitored, m), (plain, p)):
+            t0 = clock()
+            fn(data[next(cursor)])
+            out.append(clock() - t0)
+    tp, tm = statistics.median(p), statistics.median(m)
+    extra = max(tm - tp, 0.0) / tp
+    print(f"precursor monitor: plain step {tp * 1e3:.2f} ms, monitored step {tm * 1e3:.2f} ms (+{extra:.1%}); "
+          f"amortised: {extra / max(cfg.live_every, 1):.2%} at live_every {cfg.live_every} (Guard, watch, callbacks), "
+          f"{extra / max(cfg.every, 1):.2%} at every {cfg.every} (replay, smoke)")
 
 
 if __name__ == "__main__":
