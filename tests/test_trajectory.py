@@ -142,3 +142,14 @@ def test_guard_warns_once_50_steps_before_the_fp16_nan_and_not_with_qk_norm(capl
     quiet, none = _guarded("control_qk_norm", w["step"] + 40, caplog, tmp_path)
     assert none is None and quiet.warnings == [] and not quiet.events
     assert not [r for r in caplog.records if "early warning" in r.getMessage()]
+
+
+def test_trajectory_plot_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nanprobe.compare import plot_trajectory
+    traj = {"onset": 3, "warnings": [{"step": 6}],
+            "series": {"blocks.0.attn/max_logit": [[s, 0.1 * 3 ** s] for s in range(10)],
+                       "blocks.0.attn/entropy": [[s, 2.5 / (s + 1)] for s in range(10)],
+                       "train/loss": [[s, 4.0 - 0.1 * s] for s in range(10)]}}
+    out = plot_trajectory(traj, tmp_path / "t.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
