@@ -214,15 +214,26 @@ def _plain_progress(every: float):
     return update
 
 
+TrajectoryPlotOpt = Annotated[Optional[Path], typer.Option(
+    "--plot", metavar="FILE.png", help="Write the precursor monitor's series (attention logits, entropy, log Z, "
+                                       "gradient norms, loss) with the onset and any warning (needs matplotlib: "
+                                       "the nanprobe\\[plot] extra).")]
+
+
 @app.command("run")
 @handles_errors
 def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, json_out: JsonOpt = None,
             config: ConfigOpt = None, max_steps: MaxStepsOpt = None, autocast_policy: PolicyOpt = "native",
             verbose: VerboseOpt = False, debug: DebugOpt = False, capsule: CapsuleOpt = None,
-            device: DeviceOpt = None) -> None:
+            device: DeviceOpt = None, plot: TrajectoryPlotOpt = None) -> None:
     """Reach the step (capsule, load_state or replay from step 0), rerun it instrumented, explain it, suggest fixes."""
     from .diagnose import diagnose  # torch is imported lazily so --help stays fast
     _check_precision(precision)
+    if plot is not None:
+        from .compare import require_matplotlib
+        if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
+        require_matplotlib()
     if autocast_policy not in ("native", "cuda"):
         raise UsageError(f"unknown autocast policy {autocast_policy!r}", "--autocast-policy", "Use native or cuda")
     cfg = config_from(config)
@@ -235,9 +246,14 @@ def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, j
     finally:
         if progress:
             progress.stop()
+    if plot is not None and report.trajectory:
+        from .compare import plot_trajectory
+        plot_trajectory(report.trajectory, plot, title=f"nanprobe run: {report.entry} step {report.step}")
     if json_out != "-":
         from .render import render_report
         render_report(report, console(), verbose=verbose)
+        if plot is not None:
+            console().print(f"[dim]{'plot written to ' + str(plot) if report.trajectory else 'no plot: no precursor left its band (no trajectory)'}[/]")
     emit_json(report.to_json(), json_out)
     raise typer.Exit(report.exit_code)
 

@@ -103,6 +103,7 @@ class CompareConfig:
     top: int = 8
     loss_tolerance: float = 0.02
     min_cosine: float = 0.99
+    disagree_cosine: float = 0.9
     underflow_share: float = 0.05
     max_scale_halvings: int = 24
     max_reference_mb: float = 2048.0
@@ -117,6 +118,27 @@ class HorizonConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MonitorConfig:
+    enabled: bool = True
+    every: int = 2
+    live_every: int = 10
+    baseline_samples: int = 5
+    growth_factor: float = 10.0
+    attention_logit_limit: float = 100.0
+    entropy_floor: float = 0.1
+    output_logsumexp_limit: float = 50.0
+    headroom_bits: float = 1.0
+    adam_eps_share: float = 0.5
+    loss_scale_drop: float = 1024.0
+    min_lead: int = 5
+    breakaway_window: int = 10
+    breakaway_sigmas: float = 4.0
+    breakaway_rise: float = 0.1
+    breakaway_patience: int = 20
+    breakaway_min_steps: int = 30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -124,6 +146,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     horizon: HorizonConfig = field(default_factory=HorizonConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 _SIGNED = {"ignore_index"}

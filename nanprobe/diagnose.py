@@ -12,6 +12,7 @@ import torch
 from . import fidelity
 from .checks import DataProblem, check_batch
 from .classify import Evidence, classify, explains, scaler_skip_note
+from .classify.mechanism import mechanism_findings
 from .config import Config, load_config
 from .entry import Loaded, load_target
 from .errors import UsageError, UserCodeError
@@ -149,7 +150,7 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
             of = f" of {at}" if at is not None else ""
             reached = reach(target, at=at, precision=prec, cfg=cfg.replay, where=loaded.where, max_steps=max_steps,
                             on_progress=lambda s: progress(f"replayed step {s}{of}"), policy=policy,
-                            excursions=at is None)
+                            excursions=at is None, monitor=cfg.monitor)
         except NoBadStep as done:
             return _healthy(loaded, done, prec, device, cfg, command, policy)
     try:
@@ -247,6 +248,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   others={k: v for k, v in traces.items() if k not in (prec.value,)}, data=data, cfg=cfg.run,
                   entry=loaded.entry)
     findings = classify(ev)
+    findings, onset = mechanism_findings(findings, trend=reached.trend, status=reached.status, step=reached.step,
+                                         breakaway=reached.breakaway, ranges=main.trace.ranges if main.trace else (),
+                                         prec=prec, origin_module=main.origin.module if main.origin else None)
 
     def verify(top: Finding, candidates: list[tuple[Fix, Remedy | None]]) -> list[Fix]:
         return verify_over_horizon(loaded, reached, top.onset, candidates, cfg, progress)
@@ -291,6 +295,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy,
                                                                   target.pure and prec is target.weights),
                   reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
+                  trajectory=reached.trend.to_json(onset) if reached.trend is not None and onset is not None else None,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})
 

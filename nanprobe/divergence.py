@@ -375,11 +375,87 @@ class Divergence:
         self.anchor = state.get("anchor")
 
 
-class Judge:
-    """The per-step verdict for replay and smoke: non-finite values, spikes, GradScaler skip storms."""
+class Breakaway:
+    """A slow divergence, step by step: the loss level (the median of the last ``window`` losses) left
+    the best level it reached by more than ``sigmas`` noise sigmas (robust, of the step-to-step
+    changes) and ``rise`` of the best level's magnitude, and stayed above for ``patience`` steps.
 
-    def __init__(self, cfg: ReplayConfig | GuardConfig):
+    A spike that recovers, a cosine restart's bump and a noisy plateau come back; this does not.
+    """
+
+    def __init__(self, *, window: int = 10, sigmas: float = 4.0, rise: float = 0.1, patience: int = 20,
+                 min_steps: int = 30):
+        self.window, self.sigmas, self.rise = max(window, 1), sigmas, rise
+        self.patience, self.min_steps = max(patience, 1), min_steps
+        self.recent: deque[float] = deque(maxlen=self.window)
+        self.diffs: list[float] = []        # |loss_t - loss_t-1|, sorted
+        self.last: float | None = None
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.above_since: int | None = None
+        self.n = 0
+
+    def add(self, loss: float, step: int) -> dict[str, Any] | None:
+        """Add a finite loss; the break-away's facts when the run has broken away, else None."""
+        if not math.isfinite(loss):
+            return None
+        self.n += 1
+        if self.last is not None:
+            insort(self.diffs, abs(loss - self.last))
+        self.last = loss
+        self.recent.append(loss)
+        if len(self.recent) < self.window:
+            return None
+        level = _mid(sorted(self.recent))
+        if self.best is None or level < self.best:
+            self.best, self.best_step, self.above_since = level, step, None
+            return None
+        sigma = _MAD_SIGMA * _mid(self.diffs) / math.sqrt(2) if self.diffs else 0.0
+        cut = self.best + max(self.sigmas * sigma, self.rise * abs(self.best))
+        if level <= cut:
+            self.above_since = None
+            return None
+        if self.above_since is None:
+            self.above_since = step
+        if step - self.above_since + 1 < self.patience or self.n < self.min_steps:
+            return None
+        return {"best": self.best, "best_step": self.best_step, "level": level, "step": step,
+                "since": self.above_since, "sigma": sigma, "cut": cut}
+
+    @staticmethod
+    def describe(facts: dict[str, Any]) -> str:
+        return (f"slow divergence: the loss broke away from its best level {facts['best']:.4g} (step "
+                f"{facts['best_step']}) at step {facts['since']} and has not come back: {facts['level']:.4g} at "
+                f"step {facts['step']} ({facts['level'] - facts['best']:+.3g}, noise sigma {facts['sigma']:.2g})")
+
+
+def breakaway(losses: Iterable[float] | Iterable[tuple[int, float]], *, window: int = 10, sigmas: float = 4.0,
+              rise: float = 0.1, patience: int = 20, min_steps: int = 30) -> dict[str, Any] | None:
+    """Did a loss series leave its own best level and not come back?
+
+    ``losses``: plain values (step = position) or ``(step, loss)`` pairs; non-finite values are
+    skipped. Returns None, or the first break-away found: ``{"best", "best_step", "level", "step",
+    "since", "sigma", "cut"}`` (the best level and its step, the level when it was judged, the step
+    judged, the first step above the cut, the noise sigma and the cut). The thresholds are
+    ``monitor.breakaway_*`` in configs/default.yaml.
+    """
+    b = Breakaway(window=window, sigmas=sigmas, rise=rise, patience=patience, min_steps=min_steps)
+    for i, item in enumerate(losses):
+        step, loss = item if isinstance(item, tuple) else (i, item)
+        facts = b.add(float(loss), int(step))
+        if facts is not None:
+            return facts
+    return None
+
+
+class Judge:
+    """The per-step verdict for replay and smoke: non-finite values, spikes, GradScaler skip storms,
+    and (with ``slow``) a loss that broke away from its best level."""
+
+    def __init__(self, cfg: ReplayConfig | GuardConfig, slow: Breakaway | None = None):
         self.model = Divergence(Rules.of(cfg))
+        self.slow = slow
+        self.breakaway: dict[str, Any] | None = None
 
     def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:
         reason = _nonfinite_reason(record, params_finite)
@@ -393,7 +469,14 @@ class Judge:
             self.model.scaler_ok()
         spike = self.model.spike(record.loss, None if record.skipped else record.grad_norm,
                                  update_ratio=None if record.skipped else record.update_ratio, step=record.step)
-        return (Status.SPIKE, spike) if spike else (Status.FINITE, None)
+        if spike:
+            return Status.SPIKE, spike
+        if self.slow is not None and record.loss is not None:
+            facts = self.slow.add(record.loss, record.step)
+            if facts is not None:
+                self.breakaway = facts
+                return Status.DIVERGING, Breakaway.describe(facts)
+        return Status.FINITE, None
 
     def add(self, record: StepRecord, *, excursion: bool = False) -> None:
         self.model.add(record.loss, None if record.skipped else record.grad_norm, step=record.step,
@@ -417,4 +500,4 @@ def _nonfinite_reason(record: StepRecord, params_finite: bool) -> str | None:
     return None
 
 
-__all__ = ["Judge", "Divergence", "Rules", "Band", "band"]
+__all__ = ["Judge", "Divergence", "Rules", "Band", "band", "Breakaway", "breakaway"]

@@ -24,6 +24,7 @@ from . import capsule as _capsule
 from .config import Config, GuardConfig, _build, load_config
 from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
+from .monitor import close_step, live_monitor
 from .precision import Precision, device_of, parse_precision
 from .sharding import full_value, weights_finite
 from .updates import describe, update_forensics, weights_flag
@@ -249,6 +250,9 @@ class Guard:
                          for name, b in m._buffers.items()
                          if b is not None and name not in m._non_persistent_buffers_set]
         self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+        # the precursor monitor (every monitor.live_every steps) and its one early warning
+        self.monitor = live_monitor(_capsule.unwrap(model), config, self.precision) if self.enabled else None
+        self.warnings: list[dict[str, Any]] = []
 
     # -- the verbs ----------------------------------------------------------------------------------
 
@@ -282,6 +286,8 @@ class Guard:
             self._current = self._next
         if not self.enabled:
             return self._current
+        if self.monitor is not None and not self._batches:
+            self.monitor.begin(self._current)
         if self._current % self.cfg.check_every != 0:
             return self._current
         if not self._batches:   # the step's first micro-batch: its start
@@ -329,6 +335,8 @@ class Guard:
                 return self._closure_step(step, closure, max_grad_norm)
             return self._optimizer_step(step, max_grad_norm, grad_norm)
         finally:
+            if self.monitor is not None:
+                self.monitor.abort()   # a step that did not finish cleanly drops its statistics
             self._current = None
             self._next = step + 1
             self._loss = None
@@ -453,6 +461,10 @@ class Guard:
                 return False
         if reason is not None:
             return self._bad(step, reason, status, local, loss_v, norm_v, lr, scaler, max_grad_norm, rank, world)
+        w = close_step(self.monitor, step, loss=loss_v, grad_norm=norm_v, lr=lr, scaler=scaler,
+                       optimizers=self.optimizers, logger=logger)
+        if w is not None:
+            self.warnings.append(w)
         self._apply(scaler)
         if not self._deferred:   # a closure optimizer updates after this returns: _closure_step queues it
             self._queue_update(step, params)

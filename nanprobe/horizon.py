@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from .config import Config
-from .divergence import Judge
+from .divergence import Breakaway, Judge
 from .errors import NanprobeError, UserCodeError
 from .feed import DataEnd, Recorded, Stream
 from .precision import device_of
@@ -40,31 +39,17 @@ from .step import RunOptions
 
 # -- slow divergence --------------------------------------------------------------------------------
 
-def _breakaway(losses: list[tuple[int, float]]) -> int | None:
-    """TEMPORARY, replaced by ``nanprobe.divergence.breakaway`` (issue 16, the other half) at merge.
-
-    The step where the loss level (a running median of 5) rose above its best level so far by 10%
-    of it and by 4 noise sigmas (robust, of the step-to-step changes), and stayed above through the
-    last step, for at least 5 steps; None when it did not.
-    """
-    width, rise, sigmas, last = 5, 0.10, 4.0, 5
-    if len(losses) < width + last:
+def broke_away(losses: list[tuple[int, float]]) -> int | None:
+    """The step where the loss left its best level for good within the horizon: ``divergence.Breakaway``
+    (the replay's slow-divergence test) with horizon-sized settings - a running median of 5, above the
+    best level by 10% and 4 noise sigmas from that step through the last one, for at least 5 steps.
+    None when it did not (or came back before the horizon ended)."""
+    b = Breakaway(window=5, sigmas=4.0, rise=0.1, patience=5, min_steps=10)
+    for step, loss in losses:
+        b.add(loss, step)
+    if b.above_since is None or b.n < b.min_steps or losses[-1][0] - b.above_since + 1 < b.patience:
         return None
-    values = [v for _, v in losses]
-    sigma = 1.4826 * statistics.median(abs(b - a) for a, b in zip(values, values[1:])) / math.sqrt(2)
-    smooth = [statistics.median(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]
-    best = math.inf
-    start = None
-    for i in range(width - 1, len(smooth)):
-        best = min(best, smooth[i])
-        above = smooth[i] > best + max(rise * abs(best), sigmas * sigma)
-        if above and start is None:
-            start = i
-        elif not above:
-            start = None
-    if start is not None and len(smooth) - start >= last:
-        return losses[start][0]
-    return None
+    return b.above_since
 
 
 # -- one horizon ------------------------------------------------------------------------------------
@@ -242,7 +227,7 @@ class Horizon:
                 rolling.release()
         out.seconds = time.perf_counter() - t0
         if out.failed_at is None and out.error is None:
-            slow = _breakaway(out.losses)
+            slow = broke_away(out.losses)
             if slow is not None:
                 out.failed_at, out.reason = slow, "the loss left its best level and did not come back"
         return out

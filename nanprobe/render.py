@@ -98,9 +98,16 @@ def _verdict(r: Report) -> Panel:
             specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES) and e not in began] \
                 or list(top.evidence)
             lines.add_row("cause", f"[bold]{top.cause.value}[/] ({top.confidence:.2f})  {specific[-1] if specific else ''}")
-            if top.onset is not None:
+            if top.onset is not None and top.mechanism is None:   # a mechanism's row says when it began
                 said = began[0].removeprefix("onset: ").removeprefix(f"step {top.onset} was ") if began else ""
                 lines.add_row("onset", f"step {top.onset}" + (f": {said}" if said else ""))
+            if top.mechanism is not None:
+                began = f", began at step {top.onset}" if top.onset is not None else ""
+                lines.add_row("mechanism", f"[bold]{top.mechanism.value}[/] in {top.module or '(model)'}{began}: "
+                              + (top.evidence[0] if top.evidence else ""))
+    if r.trajectory and r.trajectory.get("warnings"):
+        w = r.trajectory["warnings"][0]
+        lines.add_row("[yellow]warned[/]", f"[yellow]step {w['step']}: {w['message']}[/]")
     lines.add_row("run", f"{r.entry}  ·  {r.precision}  ·  {r.device}"
                   + (f"  ·  {r.autocast_policy}" if r.autocast_policy else "")
                   + (f"  ·  reached by {r.reached_by}" if r.reached_by else ""))
@@ -137,8 +144,9 @@ def _findings(r: Report) -> Table:
     t.add_column("evidence", ratio=1)
     for i, f in enumerate(r.findings, 1):
         lines = [e for e in f.evidence if not (r.origin and e.startswith(_ORIGIN_PREFIXES))]
-        t.add_row(str(i), f.cause.value, f"{f.confidence:.2f}", f.phase.value, f.module or "-",
-                  "\n".join(lines[:5] if i == 1 else lines[-2:]))
+        cause = f.cause.value + (f"\n{f.mechanism.value}" if f.mechanism is not None else "")
+        t.add_row(str(i), cause, f"{f.confidence:.2f}", f.phase.value, f.module or "-",
+                  "\n".join(lines[:8 if f.mechanism is not None else 5] if i == 1 else lines[-2:]))
     return t
 
 
@@ -270,6 +278,8 @@ def render_comparison(cmp, console: Console) -> None:
         console.print(lt)
     console.print(Panel(Text(cmp.recommendation), title="[bold]recommendation[/]", title_align="left",
                         border_style="green" if cmp.recommended else "yellow"))
+    for d in cmp.disagreements:
+        console.print(f"[red]finding: {d['evidence']}[/]")
     for note in cmp.notes:
         console.print(f"[dim]note: {note}[/]")
 

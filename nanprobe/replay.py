@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from .batch import iter_tensors
-from .config import ReplayConfig
-from .divergence import Judge
+from .config import MonitorConfig, ReplayConfig
+from .divergence import Breakaway, Judge
 from .errors import TargetError, UsageError, UserCodeError
 from .feed import DataEnd, Position, Recorded, Stream
+from .monitor import Monitor, Trend
 from .precision import Precision, device_of
 from .report import Status, StepRecord
 from .state import RngTracker, SavedModel, Snapshot, StoragePolicy, module_tensor_attrs, set_rng
@@ -65,6 +66,8 @@ class Reached:
     onset: int | None = None           # an earlier excursion that recovered (run without --at)
     excursions: list[str] = field(default_factory=list)     # what each recovered excursion was
     compiled: bool = False             # the original step ran torch.compile'd code; the reruns are eager
+    trend: Trend | None = None          # the precursor monitor's series up to `step`
+    breakaway: dict[str, Any] | None = None   # the slow divergence the judge saw (divergence.breakaway's facts)
 
     @property
     def position(self) -> Position | None:
@@ -203,8 +206,9 @@ class NoBadStep(Exception):
     """Replay finished (data exhausted or --max-steps) without a bad step."""
 
     def __init__(self, steps: int, history: list[StepRecord], limit: int, *, data_ended: bool = False,
-                 epochs: int | None = None, last: Reached | None = None):
+                 epochs: int | None = None, last: Reached | None = None, trend: Trend | None = None):
         self.steps = steps
+        self.trend = trend        # the precursor monitor's series of the healthy run
         self.history = history
         self.limit = limit
         self.data_ended = data_ended
@@ -217,14 +221,18 @@ class Replayer:
     """Runs the target's steps in order from its current state, with the cheap check."""
 
     def __init__(self, target: Target, *, precision: Precision, cfg: ReplayConfig, where: str,
-                 policy: str = "native"):
+                 policy: str = "native", monitor: MonitorConfig | None = None):
         self.target, self.cfg, self.where, self.policy = target, cfg, where, policy
         self.loop = Loop(target, where, precision, policy)
         self.loop.objects.storage = storage_policy(cfg)
         self.device_type = self.loop.device_type
         self.rng = RngTracker(self.device_type)
         self.stream = Stream(target, self.rng)
-        self.judge = Judge(cfg)
+        on = monitor is not None and monitor.enabled
+        self.monitor = Monitor(target.model, monitor, dtype=precision.dtype if precision.low else None) if on else None
+        self.judge = Judge(cfg, slow=Breakaway(window=monitor.breakaway_window, sigmas=monitor.breakaway_sigmas,
+                                               rise=monitor.breakaway_rise, patience=monitor.breakaway_patience,
+                                               min_steps=monitor.breakaway_min_steps) if on else None)
         self.notes: list[str] = []
         self._observed = False
         self._buffers = [b for _, b in target.model.named_buffers()]
@@ -268,8 +276,13 @@ class Replayer:
             ) -> tuple[StepOutcome, StepRecord, dict[str, float], bool]:
         """Run one live step and check it."""
         self.rng.begin_step()
+        watched = self.monitor is not None and self.monitor.begin(feed.step)
         try:
             outcome = self.loop.run(feed)
+        except BaseException:
+            if watched:
+                self.monitor.abort()
+            raise
         finally:
             self.rng.end_step()
         if not self._observed:
@@ -279,6 +292,9 @@ class Replayer:
         record, ratios, params_finite = measure(self.loop, outcome, feed.step, before=before,
                                                 position=feed.position, norms=norms)
         self.norms.append(norms)
+        if watched:
+            self.monitor.end(feed.step, loss=record.loss, grad_norm=record.grad_norm, lr=record.lr,
+                             scale=record.scale, optimizers=[o for _, o in self.target.optimizers])
         return outcome, record, ratios, params_finite
 
     def remember(self, rec: Recorded) -> None:
@@ -329,7 +345,8 @@ def _bad_record_note(record: StepRecord, reason: str) -> str:
 
 def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayConfig, where: str,
           max_steps: int | None = None, on_progress: Callable[[int], None] | None = None,
-          policy: str = "native", keep_last: bool = False, excursions: bool = False) -> Reached:
+          policy: str = "native", keep_last: bool = False, excursions: bool = False,
+          monitor: MonitorConfig | None = None) -> Reached:
     """Replay to step ``at`` (or to the first bad step) and return the state before it.
 
     The target's objects are left in that state. Without a bad step, NoBadStep is raised; with
@@ -347,7 +364,7 @@ def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayCo
     if at is not None and max_steps is not None and at >= max_steps:
         raise UsageError(f"--at {at} is beyond --max-steps {max_steps}", "--at",
                          "Raise --max-steps, or give a step below it")
-    r = Replayer(target, precision=precision, cfg=cfg, where=where, policy=policy)
+    r = Replayer(target, precision=precision, cfg=cfg, where=where, policy=policy, monitor=monitor)
     start, reached_by = 0, "replay from step 0"
     notes: list[str] = []
     if at is not None and target.load_state is not None:
@@ -386,7 +403,9 @@ def _reached(r: Replayer, k: int, recorded: Recorded, snap: Snapshot, status: St
     return Reached(step=k, recorded=recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
                    status=status, reason=reason, record=record, history=list(history), update_ratios=ratios,
                    reached_by=reached_by, notes=notes + r.notes, policy=r.policy, error=error,
-                   earlier=list(earlier or []), before=before, growth=growth, **scheduler_info(r.target))
+                   earlier=list(earlier or []), before=before, growth=growth,
+                   trend=r.monitor.trend if r.monitor is not None else None,
+                   breakaway=r.judge.breakaway, **scheduler_info(r.target))
 
 
 def _raised(exc: UserCodeError, k: int, position: Position | None) -> str:
@@ -527,13 +546,15 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
 
     while True:
         if k - start >= limit:
-            done = end(NoBadStep(k - start, list(history), limit, last=last()))
+            done = end(NoBadStep(k - start, list(history), limit, last=last(),
+                                 trend=r.monitor.trend if r.monitor is not None else None))
             if isinstance(done, Reached):
                 return done
             raise done
         feed = _open(r, k)
         if feed is None:
             done = end(NoBadStep(k - start, list(history), limit, data_ended=True,
+                                 trend=r.monitor.trend if r.monitor is not None else None,
                                  epochs=None if r.stream.callable else r.stream.epoch + 1, last=last()))
             if isinstance(done, Reached):
                 return done

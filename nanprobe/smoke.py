@@ -195,7 +195,7 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
     folder = str(capsule_dir) if capsule_dir is not None else cfg.guard.capsule_dir
     try:
         reached = reach(target, at=None, precision=prec, cfg=rcfg, where=loaded.where, max_steps=steps,
-                        on_progress=lambda k: progress(f"step {k + 1}/{steps}"))
+                        on_progress=lambda k: progress(f"step {k + 1}/{steps}"), monitor=cfg.monitor)
     except NoBadStep as done:
         if done.data_ended:
             epochs = f" ({done.epochs} epoch(s))" if done.epochs else ""

@@ -8,6 +8,11 @@ guard.optimizer_step. Timing covers whole blocks (one device synchronize per blo
 guard's one sync per step is paid inside the measurement. Run:
 
     python scripts/bench_guard.py [--entry examples/healthy_transformer.py:target] [--pairs 200] [--block 5]
+
+The Guard runs with the precursor monitor on (every ``monitor.live_every`` steps, as shipped);
+``--no-monitor`` measures the Guard without it. A >= 30 ms step on CPU (the budget's regime):
+
+    OMP_NUM_THREADS=1 python scripts/bench_guard.py --config '{"d_model": 256, "n_layers": 4, "seq_len": 64}'
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import logging
 import statistics
 import sys
@@ -58,12 +64,17 @@ def main() -> None:
     parser.add_argument("--precision", default=None)
     parser.add_argument("--device", default=None, help="move the target to this device (e.g. cuda)")
     parser.add_argument("--clip", type=float, default=None, help="override max_grad_norm (0 = no clipping)")
+    parser.add_argument("--config", default=None, help="JSON config dict passed to the entry function (model size)")
+    parser.add_argument("--no-monitor", action="store_true", help="the Guard without the precursor monitor")
+    parser.add_argument("--monitor-cost", action="store_true",
+                        help="also time a monitored step against a plain one (thread CPU time, interleaved): the "
+                             "monitor's cost per monitored step and its share at monitor.every / live_every")
     args = parser.parse_args()
 
     if args.entry is None and DEFAULT_ENTRY.exists():
         args.entry = f"{DEFAULT_ENTRY}:target"
     if args.entry:
-        target = load_target(args.entry).target
+        target = load_target(args.entry, config=json.loads(args.config) if args.config else None).target
         model, opt, loss_fn, sched = target.model, target.optimizer, target.loss_fn, target.scheduler
         if args.device:
             model.to(args.device)
@@ -102,6 +113,8 @@ def main() -> None:
     # per-step work is the same); the bad path is not what this measures.
     guard = Guard(model, opt, scaler=scaler, scheduler=sched, precision=precision, capsule_dir=tmp.name,
                   config={"loss_spike_factor": 1e9, "grad_spike_factor": 1e9})
+    if args.no_monitor:
+        guard.monitor = None
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     ctx = (lambda: autocast_context(precision, dev)) if precision.autocast else contextlib.nullcontext
     model.train()
@@ -143,6 +156,8 @@ def main() -> None:
         sync()
         return (time.perf_counter() - t0) / args.block
 
+    if args.monitor_cost:
+        _monitor_cost(model, opt, plain, data, cursor, args.pairs, precision)
     for _ in range(args.warmup):
         block(plain)
         block(guarded)
@@ -166,8 +181,38 @@ def main() -> None:
           f"ratio of medians {statistics.median(g_times) / statistics.median(p_times):.4f}) over {args.pairs} "
           f"ABBA pairs of {args.block}-step blocks")
     print(f"  budget <= 1.01: {'OK' if med_ratio <= 1.01 else 'OVER'}")
-    print(f"  guard events {len(guard.events)} (a healthy run has none)")
+    print(f"  guard events {len(guard.events)} (a healthy run has none); precursor monitor "
+          f"{'off' if guard.monitor is None else f'every {guard.monitor.every} steps'}; "
+          f"early warnings {len(guard.warnings)} (a healthy run has none)")
     tmp.cleanup()
+
+
+def _monitor_cost(model, opt, plain, data, cursor, pairs: int, precision) -> None:
+    """A monitored step (hooks, attention mode, one read-back) against a plain one, interleaved."""
+    from nanprobe.config import load_config
+    from nanprobe.monitor import Monitor
+    cfg = load_config().monitor
+    mon = Monitor(model, cfg, dtype=precision.dtype if precision.low else None, every=1)
+    clock = time.thread_time
+
+    def monitored(batch) -> None:
+        mon.begin(0)
+        plain(batch)
+        mon.end(0, loss=0.0, optimizers=[opt])
+
+    for fn in (plain, monitored, plain, monitored):
+        fn(data[next(cursor)])
+    p, m = [], []
+    for _ in range(max(pairs, 10)):
+        for fn, out in ((plain, p), (monitored, m), (monitored, m), (plain, p)):
+            t0 = clock()
+            fn(data[next(cursor)])
+            out.append(clock() - t0)
+    tp, tm = statistics.median(p), statistics.median(m)
+    extra = max(tm - tp, 0.0) / tp
+    print(f"precursor monitor: plain step {tp * 1e3:.2f} ms, monitored step {tm * 1e3:.2f} ms (+{extra:.1%}); "
+          f"amortised: {extra / max(cfg.live_every, 1):.2%} at live_every {cfg.live_every} (Guard, watch, callbacks), "
+          f"{extra / max(cfg.every, 1):.2%} at every {cfg.every} (replay, smoke)")
 
 
 if __name__ == "__main__":

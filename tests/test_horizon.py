@@ -13,7 +13,7 @@ from conftest import asset, example
 from nanprobe import diagnose
 from nanprobe.config import load_config
 from nanprobe.entry import load_target
-from nanprobe.horizon import _breakaway, verify_over_horizon
+from nanprobe.horizon import broke_away, verify_over_horizon
 from nanprobe.remedy import Remedy, _qk_norm, _z_loss
 from nanprobe.replay import reach
 from nanprobe.report import Fix, Mechanism
@@ -172,11 +172,11 @@ def test_remedies_combine_unless_they_disagree():
 
 def test_slow_divergence_over_the_horizon_is_the_step_where_the_loss_left_its_best_level_for_good():
     flat = [(k, 3.0 + 0.01 * (k % 3)) for k in range(40)]
-    assert _breakaway(flat) is None
+    assert broke_away(flat) is None
     broke = flat + [(k, 3.7) for k in range(40, 60)]
-    assert _breakaway(broke) in (42, 43)                       # the running median of 5 crosses at its 3rd step
+    assert broke_away(broke) in (42, 43)                       # the running median of 5 crosses at its 3rd step
     recovered = flat + [(k, 3.7) for k in range(40, 45)] + [(k, 3.0) for k in range(45, 60)]
-    assert _breakaway(recovered) is None
+    assert broke_away(recovered) is None
 
 
 def test_each_mechanism_ranks_its_own_fix_first_and_precision_changes_after_the_catalog_of_its_cause():

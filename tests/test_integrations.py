@@ -258,6 +258,8 @@ def test_lightning_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_
     assert _equal_state(finals[0], finals[2]) and _equal_state(finals[1], finals[3])
     assert cb.events == [] and not (tmp_path / "reports").exists()
     assert cb._guard.checks == 9   # 8 batches per epoch in steps of 3, 3 and 2 micro-batches, 3 epochs
+    # the precursor monitor ran (and changed nothing: the weights above are bitwise the same) and stayed silent
+    assert cb._guard.monitor.trend.series["train/loss"] and cb._guard.warnings == []
 
 
 class ManualRegressor(Regressor):
@@ -382,6 +384,7 @@ def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(t
         finals.append({k: v.clone() for k, v in averaged[0].state_dict().items()})
     assert _equal_state(finals[0], finals[2]) and _equal_state(finals[1], finals[3])
     assert cb.events == [] and cb._guard.checks == 6 and not (tmp_path / "reports").exists()
+    assert cb._guard.monitor.trend.series["train/loss"] and cb._guard.warnings == []   # monitored, silent
     assert "training_step" not in vars(trainer)   # the instance wrapper is gone after train()
 
 

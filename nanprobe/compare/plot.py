@@ -83,3 +83,49 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror}", "--plot", "Give a writable path") from None
     return path
+
+
+def plot_trajectory(trajectory: dict, path: str | Path, *, title: str = "") -> Path:
+    """The precursor monitor's series (``Report.trajectory``): attention logits, entropy, log Z and the
+    loss against the step, log axes where they grow, the onset and any warning marked."""
+    path = Path(path)
+    if path.suffix.lower() not in _PLOT_SUFFIXES:
+        raise UsageError(f"cannot write a plot to {path}", "--plot",
+                         f"Give a file ending in {', '.join(_PLOT_SUFFIXES)}")
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    series = trajectory.get("series", {})
+    panels = [("max_logit", "largest attention logit", True), ("max_product", "largest q.k product", True),
+              ("entropy", "attention entropy (nats)", False), ("logsumexp", "output log Z", False),
+              ("grad_norm", "gradient norm per layer", True), ("loss", "loss", False)]
+    panels = [p for p in panels if any(k.endswith("/" + p[0]) for k in series)]
+    fig = Figure(figsize=(10, 2.6 * max(len(panels), 1)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(len(panels), 1), 1, sharex=True, squeeze=False)[:, 0]
+    onset = trajectory.get("onset")
+    for ax, (stat, label, log) in zip(axes, panels):
+        for key, pts in sorted(series.items()):
+            if key.endswith("/" + stat) and pts:
+                vals = [(s, v) for s, v in pts if isinstance(v, (int, float)) and (v > 0 or not log)]
+                ax.plot([s for s, _ in vals], [v for _, v in vals], linewidth=1.2, label=key.rsplit("/", 1)[0])
+        if stat in ("max_product",):
+            ax.axhline(torch.finfo(torch.float16).max, color="tab:red", linestyle="--", linewidth=0.9,
+                       label="fp16 max")
+        if log:
+            ax.set_yscale("log")
+        if onset is not None:
+            ax.axvline(onset, color="tab:orange", linestyle=":", linewidth=1.2, label=f"onset (step {onset})")
+        for w in trajectory.get("warnings", []):
+            ax.axvline(w["step"], color="tab:red", linestyle=":", linewidth=1.0, label=f"warning (step {w['step']})")
+        ax.set_title(label, fontsize=9, loc="left")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title or "nanprobe trajectory", fontsize=10)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}", "--plot", "Give a writable path") from None
+    return path

@@ -235,6 +235,8 @@ class Comparison:
     notes: tuple[str, ...] = ()
     reached_by: str | None = None
     autocast_policy: str | None = None
+    # precisions whose gradient disagrees with the reference's: {"precision", "grad_cosine", "evidence"}
+    disagreements: tuple[dict[str, Any], ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -242,7 +244,7 @@ class Comparison:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.finite else EXIT_FOUND
+        return EXIT_OK if self.finite and not self.disagreements else EXIT_FOUND
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -255,6 +257,7 @@ class Comparison:
                        "closest_to_overflow": [r.to_json() for r in self.closest_to_overflow],
                        "deepest_underflow": [r.to_json() for r in self.deepest_underflow]},
             "recommendation": self.recommendation, "recommended": self.recommended,
+            "disagreements": [dict(d) for d in self.disagreements],
             "notes": list(self.notes), "reached_by": self.reached_by, "autocast_policy": self.autocast_policy,
             "definitions": dict(DEFINITIONS),
         }

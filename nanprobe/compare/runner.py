@@ -261,7 +261,22 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
                       precision=reached.precision.value, reference=ref_name, precisions=results, layers=layers,
                       least_accurate=least, closest_to_overflow=over, deepest_underflow=under,
                       recommendation=line, recommended=recommended, notes=tuple(notes),
-                      reached_by=reached.reached_by, autocast_policy=policy_text)
+                      reached_by=reached.reached_by, autocast_policy=policy_text,
+                      disagreements=_disagreements(results, ref_name, ccfg))
+
+
+def _disagreements(results: dict[str, PrecisionRun], ref_name: str, cfg: CompareConfig) -> tuple[dict, ...]:
+    """Finite precisions whose gradient points elsewhere than the reference's (cosine far below 1)."""
+    out = []
+    for name, r in results.items():
+        if name == ref_name or not r.ran or not r.finite or r.grad_cosine is None:
+            continue
+        if r.grad_cosine < cfg.disagree_cosine:
+            out.append({"precision": name, "grad_cosine": round(r.grad_cosine, 4),
+                        "evidence": f"{name} gradient cosine {r.grad_cosine:.3f} against {ref_name} (< "
+                                    f"{cfg.disagree_cosine:g}): the {name} update does not point where the "
+                                    f"{ref_name} one does, though every value is finite"})
+    return tuple(out)
 
 
 def _results(runs: dict[str, _Run], skipped: dict[str, str], names: tuple[str, ...], ref_name: str,

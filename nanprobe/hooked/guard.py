@@ -45,6 +45,7 @@ from ..config import Config, load_config
 from ..divergence import Judge
 from ..errors import UsageError
 from ..feed import Position, Recorded
+from ..monitor import close_step, live_monitor
 from ..precision import device_of
 from ..replay import Reached, scheduler_info, storage_policy
 from ..report import Origin, Phase, Report, Status, StepRecord, dumps
@@ -137,6 +138,8 @@ class HookedGuard:
         self._buffers = [b for m in model.modules() for name, b in m._buffers.items()
                          if b is not None and name not in m._non_persistent_buffers_set]
         self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+        self.monitor = live_monitor(model, self.cfg, None)   # the precursor monitor; its one early warning:
+        self.warnings: list[dict[str, Any]] = []
 
     # -- capture --------------------------------------------------------------------------------------
 
@@ -149,6 +152,8 @@ class HookedGuard:
         if self.busy:
             return
         if not self._items:
+            if self.monitor is not None:
+                self.monitor.begin(step)
             self._checked = step % self.gcfg.check_every == 0
             if self._checked:
                 self.rngs.begin_step()
@@ -210,6 +215,8 @@ class HookedGuard:
         try:
             return self._check(step, optimizers, norm, scaler, position, max_grad_norm)
         finally:
+            if self.monitor is not None:
+                self.monitor.abort()
             self.reset()
 
     def _check(self, step: int, optimizers: list[torch.optim.Optimizer], norm: torch.Tensor | None,
@@ -253,6 +260,10 @@ class HookedGuard:
         if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
             return self._update_born(update[0], record, rank, world, optimizers)
         if status is Status.FINITE:
+            w = close_step(self.monitor, step, loss=loss_v, grad_norm=norm_v, lr=lr, scaler=scaler,
+                           optimizers=optimizers, logger=self.logger)
+            if w is not None:
+                self.warnings.append(w)
             self.judge.add(record)
             self.history.append(record)
             self.consecutive = 0
@@ -515,6 +526,7 @@ class HookedGuard:
                               snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
                               reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
                               compiled=_capsule.compiled_graphs() > 0,
+                              trend=self.monitor.trend if self.monitor is not None else None,
                               **scheduler_info(target))
             loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
                             path=None, lineno=None)

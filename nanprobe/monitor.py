@@ -1,0 +1,487 @@
+"""The precursor monitor: cheap statistics of the slow mechanisms behind a failure, per step.
+
+One monitor serves every way in (replay and smoke through ``Replayer``, ``nanprobe.Guard``, the
+hook-driven guard behind ``watch`` and the callbacks). On a monitored step (every ``every``-th) it
+records, as device tensors read back with one sync at the end of the step:
+
+- per attention module (a module whose class name says attention, or ``nn.MultiheadAttention``):
+  the largest pre-softmax logit and the attention entropy, where the softmax is called (hand-written
+  ``q @ k^T`` + softmax), and the largest product of a matmul inside it (what overflows fp16 before a
+  ``/ sqrt(d)``); for ``F.scaled_dot_product_attention`` the bound ``scale * max|q_i| * max|k_j|``
+  (the fused kernel's logits are never materialised);
+- the output logits' largest logsumexp (log Z) at the last ``nn.Linear`` of the model;
+- in fp16, the activation headroom: log2(dtype max / largest |activation|) over the leaf modules, and
+  which module is closest to the dtype's max (bf16 and fp32 reach 3.4e38: not measured there);
+- the global and per-layer gradient norm, Adam's second moment against eps (the share of entries
+  with sqrt(v) below eps), the loss scale and the LR.
+
+Only hooks and a ``TorchFunctionMode`` entered inside attention modules are used, all installed for
+the monitored step only: an unmonitored step costs nothing.
+
+``Trend`` reads the series: when a precursor left its healthy band (the onset), which mechanism it
+points to, and the early warning (with the projected step a dtype limit is crossed).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .config import MonitorConfig
+from .report import Mechanism
+
+_ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
+_SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
+           torch.einsum, torch.baddbmm}
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The attention modules to watch: the outermost module whose class name says attention."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    for name, m in model.named_modules():
+        if not name or any(name.startswith(p + ".") for p, _ in out):
+            continue
+        if isinstance(m, torch.nn.MultiheadAttention) or _ATTENTION.search(type(m).__name__):
+            out.append((name, m))
+    return out
+
+
+def _output_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    last = None
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            last = (name, m)
+    return last
+
+
+def _layer_of(name: str, depth: int = 2) -> str:
+    """``blocks.1.attn.q.weight`` -> ``blocks.1``: the layer a parameter belongs to."""
+    parts = name.split(".")[:-1]
+    return ".".join(parts[:depth]) if parts else "(model)"
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Entered inside an attention module: reads the logits at its softmax and matmuls."""
+
+    def __init__(self, sink: dict[str, list[torch.Tensor]], name: str):
+        super().__init__()
+        self.sink, self.name = sink, name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            with torch.no_grad():
+                if func in _SOFTMAX and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+                    # the largest finite logit: masked -inf entries excluded (one aminmax over the finite ones
+                    # would cost a copy; the max of |min| over finite rows is read from the softmax instead)
+                    x = args[0].detach()
+                    lo, hi = torch.aminmax(x)
+                    self._put("max_logit", _finite_absmax(lo, hi))
+                    # entropy of the first sample's rows: attention collapse shows in every sample
+                    p = out.detach()[:1].float()
+                    self._put("entropy", -torch.special.xlogy(p, p).sum(-1).mean())
+                elif func in _MATMUL and isinstance(out, torch.Tensor) and out.dim() >= 3:
+                    lo, hi = torch.aminmax(out.detach())
+                    self._put("max_product", _finite_absmax(lo, hi))
+                elif func is _SDPA:
+                    q, k = args[0].detach(), args[1].detach()
+                    scale = kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+                    bound = q.float().norm(dim=-1).amax() * k.float().norm(dim=-1).amax() * scale
+                    self._put("max_logit", bound)
+        except Exception:   # a statistic never breaks the user's step
+            pass
+        return out
+
+    def _put(self, stat: str, value: torch.Tensor) -> None:
+        self.sink.setdefault(f"{self.name}/{stat}", []).append(value)
+
+
+def _finite_absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """max(|min|, |max|) as fp32, with a non-finite end (an intended -inf mask, an overflow) left out."""
+    lo, hi = lo.float(), hi.float()
+    zero = torch.zeros((), device=lo.device)
+    return torch.maximum(torch.where(torch.isfinite(lo), -lo, zero), torch.where(torch.isfinite(hi), hi, zero))
+
+
+def _enter(mode: _AttentionMode) -> None:
+    mode.__enter__()     # returns the mode; a forward pre-hook must return None (or it replaces the args)
+
+
+def _exit(mode: _AttentionMode) -> None:
+    mode.__exit__(None, None, None)
+
+
+@dataclass(slots=True)
+class Sample:
+    """One monitored step's statistics: plain numbers, ``"<module>/<stat>" -> value``."""
+
+    step: int
+    values: dict[str, float] = field(default_factory=dict)
+    closest: str | None = None     # the module whose output came closest to the dtype's max
+
+
+class Monitor:
+    """Installs the cheap per-step statistics around one step of ``model``."""
+
+    def __init__(self, model: torch.nn.Module, cfg: MonitorConfig, *, dtype: torch.dtype | None = None,
+                 every: int | None = None):
+        self.model, self.cfg = model, cfg
+        self.every = max(1, every if every is not None else cfg.every)
+        self.dtype = dtype
+        self.attention = attention_modules(model)
+        self.output = _output_module(model)
+        # activation headroom only where the dtype's range is short (fp16): bf16 and fp32 reach 3.4e38, and a
+        # hook on every leaf module is most of the monitor's cost
+        self.leaves = [(n, m) for n, m in model.named_modules() if n and not any(True for _ in m.children())] \
+            if dtype is not None and torch.finfo(dtype).max < 1e6 else []
+        self.named_params = list(model.named_parameters())
+        self.trend = Trend(cfg, dtype)
+        self._handles: list[Any] = []
+        self._sink: dict[str, list[torch.Tensor]] = {}
+        self._acts: list[tuple[str, torch.Tensor]] = []
+        self._active = False
+
+    def due(self, step: int) -> bool:
+        return self.cfg.enabled and step % self.every == 0
+
+    # -- forward: hooks installed for a monitored step only -------------------------------------------
+    def begin(self, step: int) -> bool:
+        """Install the forward statistics when ``step`` is monitored; returns whether it is."""
+        if not self.due(step) or self._active:
+            return False
+        self._active, self._sink, self._acts = True, {}, []
+        for name, m in self.attention:
+            mode = _AttentionMode(self._sink, name)
+            self._handles.append(m.register_forward_pre_hook(lambda mod, args, mode=mode: _enter(mode)))
+            self._handles.append(m.register_forward_hook(lambda mod, args, out, mode=mode: _exit(mode)))
+        if self.output is not None:
+            self._handles.append(self.output[1].register_forward_hook(self._output_hook))
+        for name, m in self.leaves:
+            self._handles.append(m.register_forward_hook(lambda mod, args, out, name=name: self._act(name, out)))
+        return True
+
+    def _output_hook(self, mod, args, out) -> None:
+        if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[-1] > 1:
+            with torch.no_grad():
+                self._sink.setdefault(f"{self.output[0]}/logsumexp", []).append(
+                    torch.logsumexp(out.detach().float(), dim=-1).amax())
+
+    def _act(self, name: str, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            with torch.no_grad():
+                lo, hi = torch.aminmax(out.detach())
+                self._acts.append((name, _finite_absmax(lo, hi)))
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- after the update: read everything with one sync ----------------------------------------------
+    def end(self, step: int, *, loss: float | None = None, grad_norm: float | None = None, lr: float | None = None,
+            scale: float | None = None, optimizers: Iterable[torch.optim.Optimizer] = ()) -> Sample | None:
+        """Close a monitored step (``begin`` returned True) and record its sample."""
+        if not self._active:
+            return None
+        self._active = False
+        self._remove()
+        keys: list[str] = []
+        vals: list[torch.Tensor] = []
+        for key, items in self._sink.items():
+            stat = key.rsplit("/", 1)[1]
+            keys.append(key)
+            stacked = torch.stack(items)
+            vals.append(stacked.amin() if stat == "entropy" else stacked.amax())
+        names = [n for n, _ in self._acts]
+        acts = [a for _, a in self._acts]
+        grads = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for _, g in grads]) if grads else []
+        eps_share = self._adam_eps_share(optimizers)
+        flat = torch.stack(vals + acts + list(norms) + ([eps_share] if eps_share is not None else [])).tolist() \
+            if vals or acts or len(norms) or eps_share is not None else []
+        sample = Sample(step=step)
+        v = sample.values
+        for key, x in zip(keys, flat):
+            v[key] = x
+        i = len(keys)
+        act_vals = flat[i:i + len(acts)]
+        i += len(acts)
+        if act_vals:
+            j = max(range(len(act_vals)), key=act_vals.__getitem__)
+            sample.closest = names[j]
+            top = act_vals[j]
+            dmax = torch.finfo(self.dtype).max if self.dtype is not None else torch.finfo(torch.float32).max
+            v["activations/max"] = top
+            v["activations/headroom_bits"] = math.log2(dmax / top) if top > 0 else 128.0
+        layer_sq: dict[str, float] = {}
+        for (n, _), x in zip(grads, flat[i:i + len(grads)]):
+            layer_sq[_layer_of(n)] = layer_sq.get(_layer_of(n), 0.0) + x * x
+        i += len(grads)
+        for layer, sq in layer_sq.items():
+            v[f"{layer}/grad_norm"] = math.sqrt(sq)
+        if eps_share is not None:
+            v["optimizer/adam_v_below_eps"] = flat[i]
+        for key, x in (("train/loss", loss), ("grad/norm", grad_norm), ("optimizer/lr", lr), ("optimizer/loss_scale", scale)):
+            if x is not None:
+                v[key] = float(x)
+        self.trend.add(sample)
+        return sample
+
+    def abort(self) -> None:
+        """The step raised: drop its hooks and partial statistics."""
+        self._active = False
+        self._remove()
+
+    @staticmethod
+    def _adam_eps_share(optimizers: Iterable[torch.optim.Optimizer]) -> torch.Tensor | None:
+        below: list[torch.Tensor] = []
+        total = 0
+        for opt in optimizers:
+            for group in opt.param_groups:
+                eps = group.get("eps")
+                if not isinstance(eps, (int, float)) or "betas" not in group:
+                    continue
+                for p in group["params"]:
+                    st = opt.state.get(p, {})
+                    v = st.get("exp_avg_sq")
+                    if isinstance(v, torch.Tensor) and v.numel():
+                        below.append((v < eps * eps).sum())   # sqrt(v) < eps, without a sqrt pass
+                        total += v.numel()
+        if not below:
+            return None
+        return torch.stack(below).sum().float() / total
+
+
+# -- reading the series: onset, mechanism, warning ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Signal:
+    """A precursor that left its healthy band."""
+
+    mechanism: Mechanism
+    module: str | None
+    onset: int                 # the first step outside the band
+    evidence: tuple[str, ...]
+    projected: tuple[int, int] | None = None   # the steps a dtype limit would be crossed (exponential, power law)
+    growth: float = 0.0        # the statistic now over its healthy level
+
+    def headline(self) -> str:
+        where = f"{self.module}: " if self.module else ""
+        return f"{where}{self.evidence[0]}"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+class Trend:
+    """The monitored series of one run and what they say."""
+
+    def __init__(self, cfg: MonitorConfig, dtype: torch.dtype | None):
+        self.cfg, self.dtype = cfg, dtype
+        self.series: dict[str, list[tuple[int, float]]] = {}
+        self.closest: list[tuple[int, str]] = []
+        self.warnings: list[dict[str, Any]] = []
+        self._warned = False
+
+    def add(self, sample: Sample) -> None:
+        for key, x in sample.values.items():
+            if math.isfinite(x):
+                self.series.setdefault(key, []).append((sample.step, x))
+        if sample.closest:
+            self.closest.append((sample.step, sample.closest))
+
+    # -- the mechanisms --------------------------------------------------------------------------------
+    def _baseline(self, pts: list[tuple[int, float]]) -> float:
+        """The healthy level: the smallest of the first samples (a live run monitored every 10 steps
+        may already be growing by its 3rd sample)."""
+        first = [x for _, x in pts[: max(self.cfg.baseline_samples, 1)]]
+        return min(first) if first else 0.0
+
+    def signals(self) -> list[Signal]:
+        """Every precursor out of its band now, most advanced first."""
+        c = self.cfg
+        out: list[Signal] = []
+        dmax = torch.finfo(self.dtype).max if self.dtype is not None else torch.finfo(torch.float32).max
+        for key, pts in self.series.items():
+            module, _, stat = key.rpartition("/")
+            if stat != "max_logit" or len(pts) < 2:
+                continue
+            base = max(self._baseline(pts), 1e-6)
+            step, last = pts[-1]
+            if last < c.attention_logit_limit or last < c.growth_factor * base:
+                continue
+            cut = c.growth_factor * base   # the band: growth_factor x the healthy level
+            onset = next((s for s, x in pts if x > cut), step)
+            ev = [f"attention logits grew from {_fmt(base)} to {_fmt(last)} by step {step} "
+                  f"({last / base:.0f}x); past {_fmt(cut)} from step {onset}"]
+            for limit in (1e2, 1e3, 1e4):
+                first = next((s for s, x in pts if x >= limit), None)
+                if first is not None:
+                    ev.append(f"{module} logits crossed {limit:.0e} at step {first}")
+            ent = self.series.get(f"{module}/entropy")
+            if ent:
+                low = next((s for s, x in ent if x < c.entropy_floor), None)
+                ev.append(f"attention entropy {_fmt(ent[0][1])} -> {_fmt(ent[-1][1])} nats"
+                          + (f", below {c.entropy_floor:g} from step {low}" if low is not None else ""))
+            prod = self.series.get(f"{module}/max_product", pts)
+            projected = _project(prod, dmax) if dmax < 1e6 else None   # fp16: bf16/fp32 logits never reach theirs
+            if projected is not None:
+                ev.append(f"at this growth |q.k| reaches the {_dtype_name(self.dtype)} max {dmax:.3g} "
+                          f"between step {projected[0]} and {projected[1]}")
+            out.append(Signal(mechanism=Mechanism.ATTENTION_LOGIT_GROWTH, module=module, onset=onset,
+                              evidence=tuple(ev), projected=projected, growth=last / base))
+        lse = [(k, p) for k, p in self.series.items() if k.endswith("/logsumexp")]
+        for key, pts in lse:
+            if len(pts) < 2:
+                continue
+            base = self._baseline(pts)
+            step, last = pts[-1]
+            if abs(last) > c.output_logsumexp_limit and abs(last) > c.growth_factor * max(abs(base), 1.0):
+                onset = next((s for s, x in pts if abs(x) > c.output_logsumexp_limit), step)
+                out.append(Signal(mechanism=Mechanism.OUTPUT_LOGIT_DIVERGENCE, module=key.rsplit("/", 1)[0],
+                                  onset=onset, evidence=(f"output log Z grew from {_fmt(base)} to {_fmt(last)} "
+                                                         f"by step {step}; past {c.output_logsumexp_limit:g} "
+                                                         f"from step {onset}",)))
+        head = self.series.get("activations/headroom_bits")
+        if head and self.dtype in (torch.float16,) and len(head) > 1:
+            step, last = head[-1]
+            if last < c.headroom_bits:
+                onset = next((s for s, x in head if x < c.headroom_bits + 3), step)
+                who = self.closest[-1][1] if self.closest else None
+                out.append(Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=who, onset=onset,
+                                  evidence=(f"activations {last:.1f} bits below the {_dtype_name(self.dtype)} max "
+                                            f"at step {step} (from {head[0][1]:.1f} bits at step {head[0][0]})",)))
+        eps = self.series.get("optimizer/adam_v_below_eps")
+        if eps and eps[-1][1] > c.adam_eps_share and len(eps) > 1:
+            onset = next((s for s, x in eps if x > c.adam_eps_share), eps[-1][0])
+            out.append(Signal(mechanism=Mechanism.ADAM_SECOND_MOMENT, module=None, onset=onset,
+                              evidence=(f"{eps[-1][1]:.0%} of Adam's second-moment entries have sqrt(v) below eps "
+                                        f"at step {eps[-1][0]} (from {eps[0][1]:.0%})",)))
+        scale = self.series.get("optimizer/loss_scale")
+        if scale:
+            top = max(x for _, x in scale)
+            step, last = scale[-1]
+            if last > 0 and top / last >= c.loss_scale_drop:
+                onset = next((s for s, x in scale if top / max(x, 1e-30) >= 2 and s > 0), step)
+                out.append(Signal(mechanism=Mechanism.LOSS_SCALE_COLLAPSE, module=None, onset=onset,
+                                  evidence=(f"GradScaler's loss scale fell from {top:g} to {last:g} by step {step}",)))
+        out.sort(key=lambda s: (s.onset, -s.growth))
+        return out
+
+    def lr_note(self, onset: int) -> str | None:
+        """The LR at the onset against the LR's peak: a precursor that began in warm-up."""
+        lr = self.series.get("optimizer/lr")
+        if not lr:
+            return None
+        at = [x for s, x in lr if s <= onset]
+        if not at:
+            return None
+        peak = max(x for _, x in lr)
+        if at[-1] < peak * 0.999:
+            return (f"began during the LR warm-up (LR {at[-1]:.3g} at step {onset}, rising to {peak:.3g}): "
+                    "a lower peak LR or a longer warm-up delays it")
+        return f"LR {at[-1]:.3g} at step {onset} (its peak)"
+
+    def warn(self, step: int) -> dict[str, Any] | None:
+        """The early warning, once per run: the first precursor trending toward failure."""
+        if self._warned:
+            return None
+        for sig in self.signals():
+            if sig.mechanism not in (Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+                                     Mechanism.ACTIVATION_GROWTH, Mechanism.ADAM_SECOND_MOMENT):
+                continue
+            self._warned = True
+            fixes = _WARN_FIXES.get(sig.mechanism, "")
+            line = f"{sig.headline()}: {sig.mechanism.value}"
+            if sig.projected is not None:
+                line += (f"; the {_dtype_name(self.dtype)} max would be crossed between step {sig.projected[0]} "
+                         f"and {sig.projected[1]}")
+            if fixes:
+                line += f"; fixes: {fixes}"
+            w = {"step": step, "mechanism": sig.mechanism.value, "module": sig.module, "onset": sig.onset,
+                 "projected_step": sig.projected[0] if sig.projected else None,
+                 "projected_range": list(sig.projected) if sig.projected else None, "message": line}
+            self.warnings.append(w)
+            return w
+        return None
+
+    def onset(self) -> int | None:
+        sigs = self.signals()
+        return sigs[0].onset if sigs else None
+
+    def to_json(self, onset: int | None = None) -> dict[str, Any]:
+        return {"onset": onset if onset is not None else self.onset(),
+                "series": {k: [[s, _clean(x)] for s, x in pts] for k, pts in self.series.items()},
+                "warnings": list(self.warnings)}
+
+
+_WARN_FIXES = {
+    Mechanism.ATTENTION_LOGIT_GROWTH: "qk-layernorm, a lower peak LR or a longer warm-up",
+    Mechanism.OUTPUT_LOGIT_DIVERGENCE: "z-loss (1e-4 * logsumexp^2), a lower LR",
+    Mechanism.ACTIVATION_GROWTH: "bf16 instead of fp16, a lower LR",
+    Mechanism.ADAM_SECOND_MOMENT: "a smaller AdamW eps (1e-15) or a lower beta2",
+}
+
+
+def _clean(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "fp32"}.get(dtype, str(dtype))
+
+
+def _project(pts: list[tuple[int, float]], limit: float, window: int = 3) -> tuple[int, int] | None:
+    """When a series growing over its last ``window`` samples reaches ``limit``: the earliest step
+    (exponential growth at the current rate) and the latest (power-law growth at the current
+    exponent; under Adam the q/k weights drift about linearly, so q.k grows about quadratically)."""
+    tail = [(s, x) for s, x in pts[-window:] if x > 0]
+    if len(tail) < 2:
+        return None
+    (s0, x0), (s1, x1) = tail[0], tail[-1]
+    if x1 <= x0 or s1 <= s0 or x1 >= limit:
+        return None
+    rate = (math.log(x1) - math.log(x0)) / (s1 - s0)   # log growth per step
+    early = s1 + math.ceil((math.log(limit) - math.log(x1)) / rate)
+    power = (math.log(x1) - math.log(x0)) / (math.log(s1 + 1) - math.log(s0 + 1))
+    late = math.ceil((s1 + 1) * (limit / x1) ** (1 / power)) - 1
+    if early - s1 > 100_000:
+        return None
+    return early, min(max(late, early), s1 + 100_000)
+
+
+__all__ = ["Monitor", "Sample", "Signal", "Trend", "attention_modules"]
+
+
+def live_monitor(model: torch.nn.Module, config: Any, precision: Any) -> Monitor | None:
+    """The monitor of a live run (Guard, watch, callbacks): every ``monitor.live_every`` steps."""
+    from .config import Config, load_config
+    cfg = config.monitor if isinstance(config, Config) else load_config().monitor
+    if not cfg.enabled:
+        return None
+    low = getattr(precision, "low", False)
+    return Monitor(model, cfg, dtype=precision.dtype if low else None, every=cfg.live_every)
+
+
+def close_step(monitor: Monitor | None, step: int, *, loss: float | None, grad_norm: float | None,
+               lr: float | None, scaler: Any, optimizers: Iterable[torch.optim.Optimizer], logger: Any
+               ) -> dict[str, Any] | None:
+    """End a live monitored step; log and return the run's one early warning when it comes now."""
+    if monitor is None or not monitor._active:
+        return None
+    scale = float(scaler.get_scale()) if scaler is not None else None
+    monitor.end(step, loss=loss, grad_norm=grad_norm, lr=lr, scale=scale, optimizers=optimizers)
+    w = monitor.trend.warn(step)
+    if w is not None:
+        logger.warning("nanprobe: early warning at step %d: %s", step, w["message"])
+    return w
