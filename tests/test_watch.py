@@ -309,7 +309,7 @@ def test_watch_reads_the_last_update_at_the_end_of_the_script(tmp_path):
 
 
 def test_watch_explains_a_nan_born_in_a_criterion_module_outside_the_model(tmp_path, capsys):
-    """The loss lives in a criterion the loop calls after the model: the model's outputs are finite and
+    """The loss lives in a criterion the loop calls after the model: its forward reruns finite and
     the autograd graph from the loss back to them holds the one op that can make a NaN (log)."""
     script = WATCH / "criterion.py"
     _run_plain(script)
@@ -321,5 +321,5 @@ def test_watch_explains_a_nan_born_in_a_criterion_module_outside_the_model(tmp_p
     assert (report["step"], origin["phase"], origin["module"], origin["op"]) == \
         (expected, "forward", "(loss outside the model)", "aten.log")
     assert (top["cause"], top["phase"]) == ("log", "forward")
-    assert top["evidence"][0].startswith("the root module's outputs are finite")
+    assert top["evidence"][0].startswith("the root module's forward, rerun on the step's inputs under instrumentation, is finite")
     assert report["loss_outside_model"]["ops"][:2] == ["MeanBackward0", "SubBackward0"]

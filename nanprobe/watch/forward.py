@@ -67,7 +67,7 @@ class ForwardStep:
 
 
 _RISKY = {"log": Cause.LOG, "log1p": Cause.LOG, "log2": Cause.LOG, "log10": Cause.LOG, "xlogy": Cause.LOG,
-          "div": Cause.DIV, "reciprocal": Cause.DIV, "rsqrt": Cause.DIV, "sqrt": Cause.SQRT, "pow": Cause.DOMAIN,
+          "div": Cause.DIV, "reciprocal": Cause.DIV, "rsqrt": Cause.DIV, "sqrt": Cause.SQRT,
           "acos": Cause.DOMAIN, "asin": Cause.DOMAIN, "atanh": Cause.DOMAIN, "exp": Cause.OVERFLOW}
 
 
@@ -99,16 +99,16 @@ def ops_between(loss_nodes: list[Any], stop: set[int], limit: int = 400) -> list
     return names
 
 
-def loss_outside_finding(info: dict[str, Any]) -> tuple[Finding, Origin] | None:
-    """The loss was computed outside the root module from finite outputs and came out non-finite: the
-    origin is among the ops in between (named from the graph's structure: the values are gone)."""
+def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding, Origin] | None:
+    """The root module's forward, rerun on the step's inputs, is finite and the loss the script computed
+    outside it is not: the origin is among the ops in between (named from the graph's structure)."""
     ops = info.get("ops") or []
     risky = list(dict.fromkeys(base for base in (_base(n) for n in ops) if base in _RISKY))
-    if not info.get("outputs_finite") or not risky:
+    if not risky:
         return None
-    lines = [f"the root module's outputs are finite (max |x| {info['max_abs']:.4g}) and the loss the script "
-             f"computed from them is {info['loss']}: the first non-finite value was born in the script's loss, "
-             "outside the model",
+    lines = [f"the root module's forward, rerun on the step's inputs under instrumentation, is finite and the loss "
+             f"the script computed from its outputs is {info['loss']}: the first non-finite value was born in the "
+             "script's loss, outside the model",
              "ops between the model's outputs and the loss (autograd graph, nearest the loss first): "
              + ", ".join(ops[:12]) + (" ..." if len(ops) > 12 else ""),
              "read from the graph's structure (backward freed its values): for the op's inputs, source line and "
@@ -122,8 +122,7 @@ def loss_outside_finding(info: dict[str, Any]) -> tuple[Finding, Origin] | None:
     cause = _RISKY[risky[0]] if len(risky) == 1 else Cause.UNKNOWN
     finding = Finding(cause=cause, confidence=0.6 if len(risky) == 1 else 0.4, phase=Phase.FORWARD, module=module,
                       op=op, evidence=tuple(lines))
-    origin = Origin(phase=Phase.FORWARD, module=module, op=op, precision=str(info.get("dtype")),
-                    kind=info.get("kind"))
+    origin = Origin(phase=Phase.FORWARD, module=module, op=op, precision=precision, kind=info.get("kind"))
     return finding, origin
 
 

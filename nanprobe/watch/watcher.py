@@ -86,7 +86,7 @@ class Watcher:
         self._checked = False                     # this step was checked already (in GradScaler.step)
         self._in_scaler_step = False              # inside the guarded optimizer's GradScaler.step
         self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
-        self._outputs: list[torch.Tensor] = []    # the root's output tensors in this step (by reference)
+        self._output_nodes: list[Any] = []        # grad_fn of the root's outputs in this step
         self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
         self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
@@ -198,7 +198,8 @@ class Watcher:
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         if not self.busy and not self._in_closure and torch.is_grad_enabled():
             self._note_out(find_loss(out))
-            self._outputs.extend(output_tensors(out))   # by reference, until the step is over
+            # the outputs' autograd nodes (not the tensors: a step's logits must not outlive the script's use)
+            self._output_nodes.extend(t.grad_fn for t in output_tensors(out) if t.grad_fn is not None)
 
     def _note_call(self, args: tuple, kwargs: dict, autocast: str | None) -> None:
         g = self.guard
@@ -352,7 +353,7 @@ class Watcher:
     def _step_done(self) -> None:
         self._checked = self._in_closure = False
         self._scaled.clear()
-        self._outputs, self._loss_nodes = [], []
+        self._output_nodes, self._loss_nodes = [], []
         self.steps += 1
         if self.guard is not None:
             self.guard.after_update()
@@ -399,24 +400,19 @@ class Watcher:
         names = {id(q): n for n, q in model.named_parameters()}
         p.extra["update"] = update_forensics([self.optimizer], names, weights=p.corrupt)
         loss = p.record.loss
-        if self._outputs and self._loss_nodes and loss is not None and not math.isfinite(loss):
-            outs = [local_value(t.detach()) for t in self._outputs if t.numel()]
-            amax = torch.stack([t.float().abs().amax() for t in outs]).amax() if outs else torch.tensor(0.0)
-            stop = {id(t.grad_fn) for t in self._outputs if t.grad_fn is not None}
-            finite = bool(torch.isfinite(amax))
-            p.extra["loss_outside_model"] = {   # non-finite numbers as strings: the report stays valid JSON
-                "outputs_finite": finite, "max_abs": float(amax) if finite else str(float(amax)), "loss": str(loss),
-                "kind": "nan" if math.isnan(loss) else "inf", "dtype": str(outs[0].dtype)[6:] if outs else None,
-                "ops": ops_between(self._loss_nodes, stop)}
+        if self._output_nodes and self._loss_nodes and loss is not None and not math.isfinite(loss):
+            p.extra["loss_outside_model"] = {   # the loss as a string: the report stays valid JSON
+                "loss": str(loss), "kind": "nan" if math.isnan(loss) else "inf",
+                "ops": ops_between(self._loss_nodes, {id(n) for n in self._output_nodes})}
 
     def _adjust(self, report: Report, p: Pending) -> Report:
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
         notes = list(report.notes)
         findings = list(report.findings)
         grads = p.extra.get("gradients", {}).get("nonfinite_modules", [])
+        data_error = any(d.get("level") == "error" for d in report.extra.get("data_problems", []))
         if report.origin is None:
             findings = [f for f in findings if f.cause is not Cause.NOT_REPRODUCED]
-            data_error = any(d.get("level") == "error" for d in report.extra.get("data_problems", []))
             if not loss_in_forward and not data_error:
                 notes.insert(0, "the loss is computed outside the root module's forward: watch reran the forward "
                                 "only, and it was finite, so the origin is in the loss or the backward pass; for "
@@ -424,8 +420,9 @@ class Watcher:
             if grads:
                 where = ", ".join(r["module"] or "(root)" for r in grads[:4])
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
-        outside = loss_outside_finding(p.extra.get("loss_outside_model") or {}) \
-            if report.origin is None and not loss_in_forward else None
+        # the forward rerun (instrumented) found nothing non-finite in the model: the loss outside it did
+        outside = loss_outside_finding(p.extra.get("loss_outside_model") or {}, report.precision) \
+            if report.origin is None and not loss_in_forward and not data_error else None
         origin = report.origin
         if outside is not None:
             findings.insert(0, outside[0])
