@@ -42,8 +42,9 @@ class StepTrace:
 
 
 @contextlib.contextmanager
-def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
-    """Run modules with autocast disabled and float32 inputs (the fix we verify)."""
+def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...], back: torch.dtype | None = None):
+    """Run modules with autocast disabled and float32 inputs (the fix we verify); ``back``: cast their
+    floating outputs to this dtype (the weights' own, in a pure low-precision run)."""
     names = (module_names,) if isinstance(module_names, str) else tuple(module_names)
     modules = [m for n, m in model.named_modules() if n in names]
     device_type = device_of(model).type
@@ -58,6 +59,9 @@ def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
 
     def post(mod, args, kwargs, out):
         contexts.pop().__exit__(None, None, None)
+        if back is not None:
+            return map_tensors(out, lambda t: t.to(back) if t.is_floating_point() else t)
+        return None
 
     handles = []
     for module in modules:
@@ -227,7 +231,8 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
             if source_of_node is not None:  # anomaly mode records each node's forward stack
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             if fp32_module:
-                stack.enter_context(_fp32_island(loop.target.model, fp32_module))
+                stack.enter_context(_fp32_island(loop.target.model, fp32_module,
+                                                 loop.target.weights.dtype if loop.target.pure else None))
             with tracker if tracker is not None else contextlib.nullcontext():
                 outcome: StepOutcome = loop.run(feed, options)
             # measured before the stack exits: leaving float64 puts the weights back

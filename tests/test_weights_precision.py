@@ -52,6 +52,8 @@ def test_pure_bf16_run_is_reported_as_bf16_and_fp32_is_finite():
     assert report.precisions["bf16"].finite is False
     assert report.precisions["fp32"].finite is True
     assert any("precision is the problem" in line for line in top.evidence)
+    island = top.fixes[0]   # the island hands the next bf16 layer a bf16 tensor again
+    assert "fp32 island among bf16 weights" in island.title and "out.to(torch.bfloat16)" in island.code
 
 
 def test_compare_precisions_on_pure_bf16_finds_fp32_and_fp64_finite():
@@ -61,6 +63,8 @@ def test_compare_precisions_on_pure_bf16_finds_fp32_and_fp64_finite():
     assert (p["fp64"].finite, p["fp32"].finite, p["bf16"].finite) == (True, True, False)
     assert p["bf16"].origin.module == "standardize"
     assert cmp.recommended == "fp32" and cmp.recommendation.startswith("precision is the problem")
+    assert "rounds inputs of aten.sqrt.default in standardize to 0" in cmp.recommendation
+    assert "underflows" not in cmp.recommendation   # the fp64 values are far inside bf16's range
 
 
 def _state(target):
