@@ -22,7 +22,7 @@ from .replay import NoBadStep, Reached, reach
 from .report import Cause, Origin, Phase, PrecisionResult, Report, Status
 from .rerun import StepTrace, resolve_backward_source, run_step
 from .state import borrows_globals
-from .target import Target
+from .target import Target, check_precision
 
 
 def autocast_policy(device: torch.device, precision: Precision, policy: str = "native",
@@ -138,6 +138,7 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     cfg = config or load_config()
     target: Target = loaded.target
     prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
+    check_precision(target, prec)
     device = device_of(target.model)
     progress = on_progress or (lambda msg: None)
     if reached is None:

@@ -238,6 +238,16 @@ def validate(obj: Any, where: str) -> Target:
     return Target(**values)
 
 
+def check_precision(target: Target, precision: Precision, flag: str = "--precision") -> Precision:
+    """A precision asked for the run itself (replay, smoke): a pure low-precision target computes in its
+    weights' dtype, with no autocast to rewrite, so no other precision can be replayed."""
+    if target.pure and precision is not target.precision:
+        raise UsageError(f"{flag} {precision.value}: the weights themselves are {target.weights.value} (no autocast "
+                         "to switch)", flag,
+                         f"Leave {flag} out, or compare one step in {precision.value} with nanprobe compare-precisions")
+    return precision
+
+
 def mirrors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> bool:
     """Whether ``tensors`` are master copies of the model's parameters (fp16/bf16 weights with float32
     copies the optimizer steps: the classic mixed-precision recipe): each has the shape of a distinct

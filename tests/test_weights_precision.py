@@ -151,3 +151,15 @@ def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path
     again = diagnose(example(MASTER) + ":target", capsule=str(capsule))
     assert (again.step, again.top.cause.value, again.top.module) == (expected, "overflow", "attn")
     assert again.fidelity.reproduced is True and again.fidelity.tolerance == "bitwise"
+
+
+def test_another_precision_for_a_pure_run_is_a_usage_error_and_the_guard_reads_the_weights():
+    from typer.testing import CliRunner
+
+    from nanprobe.cli import app
+    from nanprobe.guard import Guard
+    result = CliRunner().invoke(app, ["run", example(PURE) + ":target", "--precision", "fp32"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "the weights themselves are bf16" in result.output
+    model = torch.nn.Linear(3, 3).to(torch.bfloat16)
+    assert Guard(model, torch.optim.SGD(model.parameters(), lr=0.1)).precision is Precision.BF16
