@@ -113,12 +113,12 @@ def _cast_weights(loop: Loop, snapshot: Snapshot, update: bool, dtype: torch.dty
 
 
 def _weights_dtype(loop: Loop, precision: Precision) -> torch.dtype | None:
-    """The dtype a rerun in ``precision`` casts the weights to: float64 for fp64; any other precision
-    of a pure low-precision run (no autocast there to rewrite: the weights' dtype is the precision)."""
+    """The dtype a rerun in ``precision`` casts the weights to: float64 for fp64; for weights stored in
+    bf16/fp16, any other precision (the weights' dtype is what the run computes in, autocast or not)."""
     if precision is Precision.FP64:
         return torch.float64
     target = loop.target
-    if target.pure and precision is not target.weights:
+    if target.weights is not None and precision is not target.weights:
         return precision.dtype
     return None
 
@@ -224,7 +224,7 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
                 stack.enter_context(emulate_fp16_matmuls())   # outermost: the tracker above sees the user's ops
             cast = _weights_dtype(loop, precision)
             if cast is not None:  # the user's objects get their dtypes back when the stack exits
-                if loop.target.pure:   # the user's own casts to the weights' dtype follow the weights
+                if loop.target.weights is not None:   # the user's own casts to the weights' dtype follow them
                     stack.enter_context(retarget_casts(loop.target.weights.dtype, cast))
                 stack.enter_context(_cast_weights(loop, snapshot, update=not skip_update, dtype=cast))
                 feed = _CastFeed(feed, cast, None if cast is torch.float64 else loop.target.weights.dtype)
