@@ -46,14 +46,15 @@ def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tor
 
 
 def target(config: dict | None = None):
-    """``config["optimizer"]``: adamw-fused (default), adamw-foreach, adam-fused, adam-foreach,
-    adagrad-fused, adagrad-foreach, rmsprop-foreach - the same eps=0 bug in the optimizers PyTorch
-    ships with a fused/foreach step."""
+    """``config["optimizer"]``: ``<name>-fused`` or ``<name>-foreach`` (default adamw-fused), name one of
+    adamw, adam, adagrad (fused on CPU: these three), rmsprop, nadam, radam, adamax, adadelta - the same
+    eps=0 bug in the optimizers PyTorch ships with a fused/foreach step."""
     torch.manual_seed(0)
     model = Classifier()
     name, flag = (config or {}).get("optimizer", "adamw-fused").split("-")
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
-           "rmsprop": torch.optim.RMSprop}[name]
+           "rmsprop": torch.optim.RMSprop, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
+           "adamax": torch.optim.Adamax, "adadelta": torch.optim.Adadelta}[name]
     opt = cls(model.parameters(), lr=1e-2, eps=0.0, **{flag: True})
     return {"model": model, "loss_fn": classification_loss, "batches": make_batches(), "optimizer": opt}
 

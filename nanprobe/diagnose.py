@@ -26,7 +26,7 @@ from .report import Cause, Finding, Fix, Origin, Phase, PrecisionResult, Report,
 from .rerun import StepTrace, resolve_backward_source, run_step
 from .shift import batch_shift
 from .state import borrows_globals
-from .target import Target
+from .target import Target, check_precision
 
 
 def autocast_policy(device: torch.device, precision: Precision, policy: str = "native",
@@ -142,6 +142,7 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     cfg = config or load_config()
     target: Target = loaded.target
     prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
+    check_precision(target, prec)
     device = device_of(target.model)
     progress = on_progress or (lambda msg: None)
     if reached is None:

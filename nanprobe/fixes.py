@@ -432,23 +432,32 @@ def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
     if not _is_low_run(ev) or f.phase is Phase.UPDATE:
         return None
     dev = _device(ev)
+    pure = ev.target.pure
     if f.module and f.module != LOSS_FN:
         names = _island_modules(f, ev)
+        if pure and any(any(True for _ in ev.target.model.get_submodule(n).parameters()) for n in names):
+            return None   # weights stored in low precision: an island would need float32 copies of them
         mods = ", ".join(_attr(dataclasses.replace(f, module=n)) for n in names)
+        back = str(ev.target.weights.dtype) if pure else None   # "torch.bfloat16"
+        ret = (f"            out = forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
+               f"                            for a in args), **kwargs)\n"
+               f"        return out.to({back})  # back to the weights' dtype for the next layer\n") if pure else (
+               f"            return forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
+               f"                             for a in args), **kwargs)\n")
         code = (f"# keep {', '.join(names)} in float32 while the rest runs in {ev.reached.precision.value}\n"
                 f"def fp32_island(module):\n"
                 f"    forward = module.forward\n"
                 f"    def forward_fp32(*args, **kwargs):\n"
                 f'        with torch.autocast("{dev}", enabled=False):\n'
-                f"            return forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
-                f"                             for a in args), **kwargs)\n"
+                + ret +
                 f"    module.forward = forward_fp32\n\n"
                 f"for m in ({mods},):\n"
                 f"    fp32_island(m)")
     else:
         code = (f'with torch.autocast("{dev}", enabled=False):  # an fp32 island for the loss\n'
                 f"    loss = compute_loss(output.float(), target)")
-    return Fix(title=f"Run {_mod(f)} in float32 (an fp32 island inside autocast)", code=code,
+    where = f"among {ev.target.weights.value} weights" if pure else "inside autocast"
+    return Fix(title=f"Run {_mod(f)} in float32 (an fp32 island {where})", code=code,
                why="a nested autocast(enabled=False) with float32 inputs computes this block at full range and "
                    "precision; everything else keeps the speed of low precision")
 

@@ -25,7 +25,7 @@ from .config import Config, GuardConfig, _build, load_config
 from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .monitor import close_step, live_monitor
-from .precision import Precision, device_of, parse_precision
+from .precision import Precision, device_of, parse_precision, weights_precision
 from .sharding import full_value, weights_finite
 from .updates import describe, update_forensics, weights_flag
 from .state import RngTracker, capture_rng, module_tensor_attrs
@@ -209,6 +209,8 @@ class Guard:
         except ValueError:
             raise UsageError(f"Guard(precision={precision!r}) is not a precision", "nanprobe.Guard",
                              'Use "fp32", "bf16" or "fp16"') from None
+        if self.precision is Precision.FP32:   # bf16/fp16 weights without autocast: the run's precision
+            self.precision = weights_precision(_capsule.unwrap(model)) or self.precision
         cfg = _guard_config(config)
         overrides = {k: v for k, v in (("policy", policy), ("check_every", check_every),
                                        ("capsule_dir", None if capsule_dir is None else str(capsule_dir)))

@@ -480,6 +480,19 @@ class OriginTracker:
                             names[value.untyped_storage().data_ptr()] = (pname, key)
         self._storage_names = names
 
+    def _param_at(self, bad: torch.Tensor, outs: list[torch.Tensor], args: Any) -> torch.Tensor | None:
+        """The parameter at ``bad``'s position in a foreach op's tensor list, where exactly one param group
+        has that many parameters with a gradient (the lists an optimizer's foreach step walks)."""
+        for lst in [outs, *_tensor_lists(args)]:
+            i = next((k for k, t in enumerate(lst) if t is bad), None)
+            if i is None:
+                continue
+            groups = [[p for p in g["params"] if p.grad is not None] for o in self.optimizers
+                      for g in o.param_groups]
+            fits = [g for g in groups if len(g) == len(lst)]
+            return fits[0][i] if len(fits) == 1 else None
+        return None
+
     def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
         for t in tensors:
             hit = self._storage_names.get(t.untyped_storage().data_ptr())
@@ -502,7 +515,7 @@ class OriginTracker:
                         break
                 state = opt.state.get(p, {})
                 info["optimizer"] = type(opt).__name__
-                for key in ("exp_avg_sq", "square_avg", "sum", "exp_avg"):
+                for key in ("exp_avg_sq", "square_avg", "sum", "exp_inf", "exp_avg"):
                     v = state.get(key)
                     if isinstance(v, torch.Tensor) and v.numel():
                         vv = v.detach().float()
@@ -630,6 +643,10 @@ class OriginTracker:
             # non-finite (its index in the op's tensor lists), not the list's first
             parameter, update_info = self._update_context(_same_index(bad_out, outs, (args, kwargs))
                                                           + mutated + outs + inputs)
+            if parameter is None:   # a foreach op over temporaries (a denominator list): by position
+                param = self._param_at(bad_out, outs, (args, kwargs))
+                if param is not None:
+                    parameter, update_info = self._update_context([param])
             if parameter is not None:
                 module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
         if self.phase is Phase.FORWARD and not entered and not any(ev.phase is Phase.FORWARD for ev in trace.events):

@@ -42,8 +42,9 @@ class StepTrace:
 
 
 @contextlib.contextmanager
-def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
-    """Run modules with autocast disabled and float32 inputs (the fix we verify)."""
+def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...], back: torch.dtype | None = None):
+    """Run modules with autocast disabled and float32 inputs (the fix we verify); ``back``: cast their
+    floating outputs to this dtype (the weights' own, in a pure low-precision run)."""
     names = (module_names,) if isinstance(module_names, str) else tuple(module_names)
     modules = [m for n, m in model.named_modules() if n in names]
     device_type = device_of(model).type
@@ -58,6 +59,9 @@ def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...]):
 
     def post(mod, args, kwargs, out):
         contexts.pop().__exit__(None, None, None)
+        if back is not None:
+            return map_tensors(out, lambda t: t.to(back) if t.is_floating_point() else t)
+        return None
 
     handles = []
     for module in modules:
@@ -109,12 +113,12 @@ def _cast_weights(loop: Loop, snapshot: Snapshot, update: bool, dtype: torch.dty
 
 
 def _weights_dtype(loop: Loop, precision: Precision) -> torch.dtype | None:
-    """The dtype a rerun in ``precision`` casts the weights to: float64 for fp64; any other precision
-    of a pure low-precision run (no autocast there to rewrite: the weights' dtype is the precision)."""
+    """The dtype a rerun in ``precision`` casts the weights to: float64 for fp64; for weights stored in
+    bf16/fp16, any other precision (the weights' dtype is what the run computes in, autocast or not)."""
     if precision is Precision.FP64:
         return torch.float64
     target = loop.target
-    if target.pure and precision is not target.weights:
+    if target.weights is not None and precision is not target.weights:
         return precision.dtype
     return None
 
@@ -220,14 +224,15 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
                 stack.enter_context(emulate_fp16_matmuls())   # outermost: the tracker above sees the user's ops
             cast = _weights_dtype(loop, precision)
             if cast is not None:  # the user's objects get their dtypes back when the stack exits
-                if loop.target.pure:   # the user's own casts to the weights' dtype follow the weights
+                if loop.target.weights is not None:   # the user's own casts to the weights' dtype follow them
                     stack.enter_context(retarget_casts(loop.target.weights.dtype, cast))
                 stack.enter_context(_cast_weights(loop, snapshot, update=not skip_update, dtype=cast))
                 feed = _CastFeed(feed, cast, None if cast is torch.float64 else loop.target.weights.dtype)
             if source_of_node is not None:  # anomaly mode records each node's forward stack
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             if fp32_module:
-                stack.enter_context(_fp32_island(loop.target.model, fp32_module))
+                stack.enter_context(_fp32_island(loop.target.model, fp32_module,
+                                                 loop.target.weights.dtype if loop.target.pure else None))
             with tracker if tracker is not None else contextlib.nullcontext():
                 outcome: StepOutcome = loop.run(feed, options)
             # measured before the stack exits: leaving float64 puts the weights back

@@ -28,7 +28,7 @@ from .precision import Precision, describe_device, device_of, parse_precision
 from .replay import NoBadStep, reach
 from .report import Report, Status
 from .state import borrows_globals
-from .target import Target, call_user, validate
+from .target import Target, call_user, check_precision, validate
 
 CHECKS = ("entry", "finite", "spike")
 
@@ -190,6 +190,7 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
         prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
     except ValueError:
         raise UsageError(f"unknown precision {precision!r}", "--precision", "Use one of: fp32, bf16, fp16") from None
+    check_precision(target, prec)
     device = device_of(target.model)
     rcfg = _smoke_replay_config(cfg)
     folder = str(capsule_dir) if capsule_dir is not None else cfg.guard.capsule_dir

@@ -48,6 +48,9 @@ class Target:
     # the low precision the weights themselves are stored in (pure bf16/fp16 training), else None;
     # set from the model: a target whose weights are bf16 trains in bf16 without any autocast
     weights: Precision | None = dataclasses.field(default=None, init=False)
+    # the run computes in its weights' own low dtype with no autocast (``model.to(torch.bfloat16)`` and no
+    # autocast precision given): reruns in another precision cast the weights instead of rewriting autocast
+    pure: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
         self.precision = parse_precision(self.precision) if not isinstance(self.precision, Precision) \
@@ -55,6 +58,7 @@ class Target:
         self.weights = weights_precision(self.model) if isinstance(self.model, torch.nn.Module) else None
         if self.weights is not None and self.precision is Precision.FP32:
             self.precision = self.weights   # no autocast: the run computes in its weights' dtype
+            self.pure = True
 
     @property
     def masters(self) -> list[tuple[str, torch.Tensor]]:
@@ -64,11 +68,6 @@ class Target:
         return [(f"{name}.param_groups[{gi}][{i}]", p) for name, opt in self.optimizers
                 for gi, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
                 if id(p) not in own]
-
-    @property
-    def pure(self) -> bool:
-        """The run computes in its weights' own low dtype, with no autocast (``model.to(torch.bfloat16)``)."""
-        return self.weights is not None and self.weights is self.precision
 
     # -- the user's objects as named lists (one object, a list or a dict) --------------------------
     @property
@@ -135,6 +134,8 @@ def validate(obj: Any, where: str) -> Target:
     """
     if isinstance(obj, Target):
         values = {k: getattr(obj, k) for k in KEYS}
+        if obj.pure:   # the precision it took from its weights: validated again as the fp32 (no autocast) asked
+            values["precision"] = Precision.FP32
     elif isinstance(obj, dict):
         unknown = [k for k in obj if k not in KEYS]
         if unknown:
@@ -204,14 +205,14 @@ def validate(obj: Any, where: str) -> Target:
     if precision not in (Precision.FP32, Precision.BF16, Precision.FP16):
         raise TargetError(f"'precision' {precision.value!r} is not a training precision", where,
                           'Use "fp32", "bf16" or "fp16"')
-    if precision is Precision.FP32:   # fp32 (no autocast) over bf16/fp16 weights computes in their dtype
-        precision = weights_precision(model) or precision
+    # fp32 (no autocast) over bf16/fp16 weights computes in their dtype (Target sets it; the checks use it)
+    computes = (weights_precision(model) or precision) if precision is Precision.FP32 else precision
     scaler = values.get("grad_scaler", False)
     if scaler is None:
         scaler = False
     if isinstance(scaler, bool):
-        if scaler and precision is not Precision.FP16:
-            raise TargetError(f"'grad_scaler' is set but 'precision' is {precision.value}", where,
+        if scaler and computes is not Precision.FP16:
+            raise TargetError(f"'grad_scaler' is set but 'precision' is {computes.value}", where,
                               'GradScaler belongs to fp16 training: set "precision": "fp16" or drop grad_scaler')
         if scaler and not opts:
             raise TargetError("'grad_scaler' needs an 'optimizer'", where, "Add the optimizer")
@@ -240,6 +241,16 @@ def validate(obj: Any, where: str) -> Target:
     values["grad_scaler"] = scaler
     values.setdefault("ignore_index", -100)
     return Target(**values)
+
+
+def check_precision(target: Target, precision: Precision, flag: str = "--precision") -> Precision:
+    """A precision asked for the run itself (replay, smoke): a pure low-precision target computes in its
+    weights' dtype, with no autocast to rewrite, so no other precision can be replayed."""
+    if target.pure and precision is not target.precision:
+        raise UsageError(f"{flag} {precision.value}: the weights themselves are {target.weights.value} (no autocast "
+                         "to switch)", flag,
+                         f"Leave {flag} out, or compare one step in {precision.value} with nanprobe compare-precisions")
+    return precision
 
 
 def mirrors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> bool:

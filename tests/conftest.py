@@ -95,3 +95,21 @@ def assert_one_story(report) -> None:
             assert where == at, (f["cause"], where, at)
         if f["cause"] == "data":
             assert f["phase"] == origin["phase"], (where, at)
+
+
+def state_of(target):
+    """A copy of the target's model state and (single) optimizer state, for assert_same_state."""
+    import copy
+    return ({k: v.clone() for k, v in target.model.state_dict().items()},
+            copy.deepcopy(target.optimizer.state_dict()))
+
+
+def assert_same_state(target, state):
+    """The target's model and optimizer state equal ``state`` bitwise, dtypes included."""
+    model, opt = state
+    for k, v in target.model.state_dict().items():
+        assert v.dtype == model[k].dtype and torch.equal(v, model[k]), k
+    now = target.optimizer.state_dict()["state"]
+    for i, entry in opt["state"].items():
+        for key, value in entry.items():
+            assert now[i][key].dtype == value.dtype and torch.equal(now[i][key], value), (i, key)

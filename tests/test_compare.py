@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -13,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import asset, example, plain_first_bad
+from conftest import assert_same_state, asset, example, plain_first_bad, state_of
 from nanprobe.cli import app
 from nanprobe.compare import CHOICES, compare_precisions, parse_precisions, plot_comparison
 from nanprobe.config import load_config
@@ -190,31 +189,16 @@ def test_top_limits_the_tables(overflow):
 
 # -- the user's objects -------------------------------------------------------------------------------
 
-def _state(target):
-    return ({k: v.clone() for k, v in target.model.state_dict().items()},
-            copy.deepcopy(target.optimizer.state_dict()))
-
-
-def _assert_same_state(target, state):
-    model, opt = state
-    for k, v in target.model.state_dict().items():
-        assert v.dtype == model[k].dtype and torch.equal(v, model[k]), k
-    now = target.optimizer.state_dict()["state"]
-    for i, entry in opt["state"].items():
-        for key, value in entry.items():
-            assert now[i][key].dtype == value.dtype and torch.equal(now[i][key], value), (i, key)
-
-
 def test_fp64_rerun_restores_dtypes_values_and_optimizer_state():
     loaded = load_target(f"{T}:healthy")
     target = loaded.target
     reached = reach(target, at=2, precision=target.precision, cfg=load_config().replay, where=loaded.where)
-    before = _state(target)
+    before = state_of(target)
     seen = []
     t = run_step(target, reached, Precision.FP64, where=loaded.where, instrument=True,
                  observe=lambda ph: ph is Phase.UPDATE and seen.extend(p.grad.dtype for p in target.model.parameters()))
     assert set(seen) == {torch.float64} and t.finite and not t.trace.events
-    _assert_same_state(target, before)
+    assert_same_state(target, before)
     assert torch.get_default_dtype() == torch.float32
     assert {p.dtype for p in target.model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in target.model.parameters() if p.grad is not None} <= {torch.float32}
@@ -228,7 +212,7 @@ def test_compare_leaves_the_objects_in_the_pre_step_state_and_removes_its_hooks(
     compare_precisions(loaded, at=2)
     fresh = load_target(f"{T}:healthy")  # same seeds: replaying it gives the expected pre-step state
     reach(fresh.target, at=2, precision=fresh.target.precision, cfg=load_config().replay, where=fresh.where)
-    _assert_same_state(loaded.target, _state(fresh.target))
+    assert_same_state(loaded.target, state_of(fresh.target))
     assert dict(torch.nn.modules.module._global_forward_hooks) == hooks
     assert torch.get_default_dtype() == torch.float32
 

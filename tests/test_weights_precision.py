@@ -3,13 +3,14 @@ in fp32/fp64 cast the weights, optimizer state and batch for real and put them b
 
 from __future__ import annotations
 
-import copy
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_one_story, asset, example
+from conftest import assert_one_story, assert_same_state, asset, example, state_of
 from nanprobe import diagnose
 from nanprobe.compare import compare_precisions
 from nanprobe.config import load_config
@@ -23,13 +24,19 @@ W = asset("weights_targets.py")
 PURE = "bf16_pure_variance_shortcut.py"
 
 
-def _plain_first_bad(name: str) -> int | None:
-    sys.path.insert(0, str(__import__("pathlib").Path(example(name)).parent))
-    from plain_loop import train
-    spec = __import__("importlib.util").util.spec_from_file_location("ex", example(name))
-    mod = __import__("importlib.util").util.module_from_spec(spec)
+def _example_module(name: str):
+    """The example file as a fresh module (its own objects, not the ones nanprobe loads)."""
+    spec = importlib.util.spec_from_file_location(f"example_{Path(name).stem}", example(name))
+    mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    step, _ = train(mod.target(), verbose=False)
+    return mod
+
+
+def _plain_first_bad(name: str) -> int | None:
+    """The first non-finite step of the example's plain loop (bf16/fp16 CPU kernels decide it)."""
+    sys.path.insert(0, str(Path(example(name)).parent))   # conftest restores sys.path
+    from plain_loop import train
+    step, _ = train(_example_module(name).target(), verbose=False)
     return step
 
 
@@ -52,6 +59,8 @@ def test_pure_bf16_run_is_reported_as_bf16_and_fp32_is_finite():
     assert report.precisions["bf16"].finite is False
     assert report.precisions["fp32"].finite is True
     assert any("precision is the problem" in line for line in top.evidence)
+    island = top.fixes[0]   # the island hands the next bf16 layer a bf16 tensor again
+    assert "fp32 island among bf16 weights" in island.title and "out.to(torch.bfloat16)" in island.code
 
 
 def test_compare_precisions_on_pure_bf16_finds_fp32_and_fp64_finite():
@@ -61,20 +70,8 @@ def test_compare_precisions_on_pure_bf16_finds_fp32_and_fp64_finite():
     assert (p["fp64"].finite, p["fp32"].finite, p["bf16"].finite) == (True, True, False)
     assert p["bf16"].origin.module == "standardize"
     assert cmp.recommended == "fp32" and cmp.recommendation.startswith("precision is the problem")
-
-
-def _state(target):
-    return (copy.deepcopy(target.model.state_dict()), copy.deepcopy(target.optimizer.state_dict()))
-
-
-def _assert_same(target, state):
-    model, opt = state
-    for k, v in target.model.state_dict().items():
-        assert v.dtype == model[k].dtype and torch.equal(v, model[k]), k
-    now = target.optimizer.state_dict()["state"]
-    for i, entry in opt["state"].items():
-        for key, value in entry.items():
-            assert now[i][key].dtype == value.dtype and torch.equal(now[i][key], value), (i, key)
+    assert "rounds inputs of aten.sqrt.default in standardize to 0" in cmp.recommendation
+    assert "underflows" not in cmp.recommendation   # the fp64 values are far inside bf16's range
 
 
 @pytest.mark.parametrize("precision, dtype", [(Precision.FP32, torch.float32), (Precision.FP64, torch.float64)])
@@ -83,7 +80,7 @@ def test_reruns_cast_weights_state_and_batch_and_put_them_back_bitwise(precision
     target = loaded.target
     assert target.precision is Precision.BF16 and target.pure
     reached = reach(target, at=3, precision=target.precision, cfg=load_config().replay, where=loaded.where)
-    before = _state(target)
+    before = state_of(target)
     seen: dict[str, set] = {"grad": set(), "state": set()}
 
     def observe(phase):
@@ -93,28 +90,20 @@ def test_reruns_cast_weights_state_and_batch_and_put_them_back_bitwise(precision
     t = run_step(target, reached, precision, where=loaded.where, instrument=True, observe=observe, update=True)
     assert t.finite and not t.trace.events
     assert seen == {"grad": {dtype}, "state": {dtype}}   # the update ran on cast weights and state
-    _assert_same(target, before)
+    assert_same_state(target, before)
     assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
     own = run_step(target, reached, Precision.BF16, where=loaded.where, instrument=False)
     assert own.record.loss != t.record.loss   # the rerun really computed in another dtype
     assert own.record.loss == pytest.approx(t.record.loss, rel=2e-2)
-    _assert_same(target, before)
+    assert_same_state(target, before)
 
 
 MASTER = "fp16_master_weights.py"
 
 
-def _master_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("fp16_master_weights_t", example(MASTER))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_fp16_weights_with_fp32_master_copies_replay_bitwise():
-    mod = _master_module()
+    mod = _example_module(MASTER)
     model, masters, opt = mod.make()               # the plain loop, 10 steps
     for batch in mod.make_batches()[:10]:
         mod.train_step(model, masters, opt, batch)
@@ -133,7 +122,7 @@ def test_fp16_weights_with_fp32_master_copies_replay_bitwise():
 
 def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path):
     from nanprobe.guard import Guard
-    mod = _master_module()
+    mod = _example_module(MASTER)
     expected = mod.first_bad_step()
     report = diagnose(example(MASTER) + ":target")
     assert_one_story(report)
@@ -162,3 +151,15 @@ def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path
     again = diagnose(example(MASTER) + ":target", capsule=str(capsule))
     assert (again.step, again.top.cause.value, again.top.module) == (expected, "overflow", "attn")
     assert again.fidelity.reproduced is True and again.fidelity.tolerance == "bitwise"
+
+
+def test_another_precision_for_a_pure_run_is_a_usage_error_and_the_guard_reads_the_weights():
+    from typer.testing import CliRunner
+
+    from nanprobe.cli import app
+    from nanprobe.guard import Guard
+    result = CliRunner().invoke(app, ["run", example(PURE) + ":target", "--precision", "fp32"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "the weights themselves are bf16" in result.output
+    model = torch.nn.Linear(3, 3).to(torch.bfloat16)
+    assert Guard(model, torch.optim.SGD(model.parameters(), lr=0.1)).precision is Precision.BF16

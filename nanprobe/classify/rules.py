@@ -332,18 +332,21 @@ def origin_rule(ev: Evidence) -> list[Finding]:
     if e.phase is Phase.UPDATE:
         info = e.update_info or {}
         extra = []
+        key = None
         if info:
             extra.append(f"parameter {info.get('parameter')} ({info.get('optimizer', 'optimizer')}, lr "
                          f"{g(info.get('lr'))}, eps {g(info.get('eps'))})")
-            # the second moment the update divides by (Adam's exp_avg_sq, RMSprop's square_avg, Adagrad's sum)
-            key = next((k for k in ("exp_avg_sq", "square_avg", "sum") if f"{k}_zeros" in info), None)
+            # what the update divides by (Adam's exp_avg_sq, RMSprop's/Adadelta's square_avg, Adagrad's sum,
+            # Adamax's exp_inf)
+            key = next((k for k in ("exp_avg_sq", "square_avg", "sum", "exp_inf") if f"{k}_zeros" in info), None)
             if key is not None:
                 extra.append(f"{key}: {info[f'{key}_zeros']} of {info[f'{key}_numel']} entries are 0 "
                              f"(min {g(info[f'{key}_min'])})")
         if fam == "div" or (info.get("eps") == 0):
             return [finding(Cause.DIV, 0.93, e, lines + extra + [
                 "the update divides by sqrt(second moment) + eps, and both are 0 for parameters whose gradient "
-                "has been 0" if info.get("eps") == 0 else "the update divided by zero"])]
+                "has been 0" if info.get("eps") == 0 and (key is None or info[f"{key}_zeros"])
+                else "the update divided by zero"])]
         return []  # the divergence rule owns other update-phase blow-ups
 
     if fam == "log" or nbase in ("log", "log2", "log10", "log1p"):

@@ -402,7 +402,10 @@ def _input_underflow(here: _OpProbe, ref: _OpProbe) -> _OriginProbe:
         if x.shape != r.shape:
             continue
         nz = r.abs() >= _FLOOR
-        flushed = nz & (x.abs() < torch.finfo(x.dtype).tiny)
+        tiny = torch.finfo(x.dtype).tiny
+        # underflow: a reference value below the low dtype's normal range, flushed here; a reference value
+        # within the range that is 0 here was rounded away (cancellation), not flushed
+        flushed = nz & (r.abs() < tiny) & (x.abs() < tiny)
         zeros_here += int((x == 0).sum())
         zeros_ref += int((r == 0).sum())
         under += int(flushed.sum())

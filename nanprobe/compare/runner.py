@@ -475,6 +475,11 @@ def _problem(r: PrecisionRun, bf16_ok: bool) -> tuple[str, str]:
     if r.would_reach is not None and limit is not None and r.would_reach > limit:
         return (f"overflows in {where} at {op} (|x| would reach {_pow2(r.would_reach)} > {limit:g})",
                 "keep that block in fp32" + alt)
+    if not r.underflow_origin and r.zeros_at_origin and r.zeros_at_origin[0] > r.zeros_at_origin[1]:
+        here, ref = r.zeros_at_origin
+        return (f"rounds inputs of {op} in {where} to 0 ({here} of its inputs are 0 in {r.name}, {ref} in the "
+                "reference, whose values are within the dtype's range: digits lost, e.g. a difference of nearly "
+                "equal terms)", "compute that in fp32" + alt.replace(" or", ", or"))
     if r.underflow_origin or (r.zeros_at_origin and r.zeros_at_origin[0] > r.zeros_at_origin[1]):
         here, ref = r.zeros_at_origin
         share = f"{_pct(r.underflow_origin)} of its inputs are zero or subnormal in {r.name}" \
