@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from .config import MonitorConfig
 from .report import Mechanism
+from .sharding import full_value
 
 _ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
@@ -60,6 +61,13 @@ def _output_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None
         if isinstance(m, torch.nn.Linear):
             last = (name, m)
     return last
+
+
+def _recent_peak(pts: list[tuple[int, float]], n: int = 3) -> tuple[int, float]:
+    """The largest finite value of the last ``n`` samples: the failing step's own sample may already be
+    non-finite or zeroed (an overflowed row masks to 0) and is no measure of how far the growth went."""
+    recent = [(s, x) for s, x in pts[-n:] if math.isfinite(x)]
+    return max(recent, key=lambda p: p[1]) if recent else pts[-1]
 
 
 def _layer_of(name: str, depth: int = 2) -> str:
@@ -204,7 +212,13 @@ class Monitor:
         names = [n for n, _ in self._acts]
         acts = [a for _, a in self._acts]
         grads = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for _, g in grads]) if grads else []
+        norms = list(torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for _, g in grads])) \
+            if grads else []
+        if any(hasattr(n, "full_tensor") for n in norms):   # FSDP2 / tensor-parallel gradients: one reduction
+            try:
+                norms = list(full_value(torch.stack(norms)).unbind())
+            except (RuntimeError, NotImplementedError):
+                norms = [full_value(n) for n in norms]
         eps_share = self._adam_eps_share(optimizers)
         flat = torch.stack(vals + acts + list(norms) + ([eps_share] if eps_share is not None else [])).tolist() \
             if vals or acts or len(norms) or eps_share is not None else []
@@ -317,7 +331,7 @@ class Trend:
             if stat != "max_logit" or len(pts) < 2:
                 continue
             base = max(self._baseline(pts), 1e-6)
-            step, last = pts[-1]
+            step, last = _recent_peak(pts)
             if last < c.attention_logit_limit or last < c.growth_factor * base:
                 continue
             cut = c.growth_factor * base   # the band: growth_factor x the healthy level
@@ -345,7 +359,7 @@ class Trend:
             if len(pts) < 2:
                 continue
             base = self._baseline(pts)
-            step, last = pts[-1]
+            step, last = _recent_peak(pts)
             if abs(last) > c.output_logsumexp_limit and abs(last) > c.growth_factor * max(abs(base), 1.0):
                 onset = next((s for s, x in pts if abs(x) > c.output_logsumexp_limit), step)
                 out.append(Signal(mechanism=Mechanism.OUTPUT_LOGIT_DIVERGENCE, module=key.rsplit("/", 1)[0],

@@ -64,6 +64,13 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
                     evidence=tuple(ev), mechanism=None, onset=breakaway["since"])
         return [f] + [x for x in findings if x.cause is not Cause.LR_SPIKE], breakaway["since"]
     sig = _pick(signals, origin_module)
+    if top is not None and top.module and sig.module and sig.mechanism is not Mechanism.ATTENTION_LOGIT_GROWTH \
+            and not (top.module == sig.module or top.module.startswith(sig.module + ".")):
+        # the finding already places the failure elsewhere by its own evidence (its origin, the weights that
+        # moved most): a statistic that grew in another module is seen downstream of it, not its cause
+        f = dataclasses.replace(top, evidence=top.evidence + (
+            f"also seen: {sig.module} {sig.mechanism.value} from step {sig.onset} (downstream of {top.module})",))
+        return [f] + findings[1:], sig.onset
     if sig.module is None and top is not None:
         # a run-wide mechanism (loss scale, Adam's eps): the op finding keeps its place, with the mechanism
         f = dataclasses.replace(top, mechanism=sig.mechanism, onset=sig.onset, evidence=top.evidence + sig.evidence)
