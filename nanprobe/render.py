@@ -95,8 +95,11 @@ def _verdict(r: Report) -> Panel:
         top = r.top
         if top:
             began = [e for e in top.evidence if e.startswith("onset: ") or " did not recover (" in e]
-            specific = [e for e in top.evidence if not e.startswith(_ORIGIN_PREFIXES) and e not in began] \
-                or list(top.evidence)
+            # a mechanism finding's lines tell the trajectory (its own row); the cause row quotes the op's finding
+            said = next((f for f in r.findings if f.mechanism is None and f.cause is top.cause), top) \
+                if top.mechanism is not None else top
+            specific = [e for e in said.evidence if not e.startswith(_ORIGIN_PREFIXES) and e not in began] \
+                or list(said.evidence)
             lines.add_row("cause", f"[bold]{top.cause.value}[/] ({top.confidence:.2f})  {specific[-1] if specific else ''}")
             if top.onset is not None and top.mechanism is None:   # a mechanism's row says when it began
                 said = began[0].removeprefix("onset: ").removeprefix(f"step {top.onset} was ") if began else ""
