@@ -39,12 +39,12 @@ from .step import RunOptions
 
 # -- slow divergence --------------------------------------------------------------------------------
 
-def broke_away(losses: list[tuple[int, float]]) -> int | None:
+def broke_away(losses: list[tuple[int, float]], *, sigmas: float = 4.0, rise: float = 0.1) -> int | None:
     """The step where the loss left its best level for good within the horizon: ``divergence.Breakaway``
-    (the replay's slow-divergence test) with horizon-sized settings - a running median of 5, above the
-    best level by 10% and 4 noise sigmas from that step through the last one, for at least 5 steps.
-    None when it did not (or came back before the horizon ended)."""
-    b = Breakaway(window=5, sigmas=4.0, rise=0.1, patience=5, min_steps=10)
+    (the replay's slow-divergence test, with its ``monitor.breakaway_sigmas`` / ``breakaway_rise``) sized to
+    a horizon - a running median of 5, above the best level from that step through the last one, for at
+    least 5 steps. None when it did not (or came back before the horizon ended)."""
+    b = Breakaway(window=5, sigmas=sigmas, rise=rise, patience=5, min_steps=10)
     for step, loss in losses:
         b.add(loss, step)
     if b.above_since is None or b.n < b.min_steps or losses[-1][0] - b.above_since + 1 < b.patience:
@@ -227,7 +227,8 @@ class Horizon:
                 rolling.release()
         out.seconds = time.perf_counter() - t0
         if out.failed_at is None and out.error is None:
-            slow = broke_away(out.losses)
+            slow = broke_away(out.losses, sigmas=self.cfg.monitor.breakaway_sigmas,
+                              rise=self.cfg.monitor.breakaway_rise)
             if slow is not None:
                 out.failed_at, out.reason = slow, "the loss left its best level and did not come back"
         return out
