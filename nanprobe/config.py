@@ -76,6 +76,7 @@ class ScanConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GuardConfig:
     check_every: int = 1
+    check_updates_every: int = 10
     policy: str = "skip"
     window: int = 50
     min_history: int = 8

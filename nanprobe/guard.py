@@ -27,7 +27,7 @@ from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .monitor import close_step, live_monitor
 from .precision import Precision, device_of, parse_precision, weights_precision
 from .sharding import full_value, weights_finite
-from .updates import describe, update_forensics, weights_flag
+from .updates import UpdateCheck, describe, update_forensics
 from .state import RngTracker, capture_rng, module_tensor_attrs
 from .target import named
 
@@ -142,6 +142,9 @@ def check_guard_config(cfg: GuardConfig, where: str) -> None:
     if cfg.check_every < 1:
         raise UsageError(f"guard.check_every is {cfg.check_every}", where,
                          "Use 1 to check every step, or k to check every k-th step")
+    if cfg.check_updates_every < 1:
+        raise UsageError(f"guard.check_updates_every is {cfg.check_updates_every}", where,
+                         "Use 1 to read the weights after every checked update, or k for every k-th")
 
 
 def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
@@ -242,6 +245,7 @@ class Guard:
         self._loss: torch.Tensor | None = None
         self._deferred = False              # inside a closure optimizer's step: it applies the update
         self._update: tuple[int, torch.Tensor] | None = None   # the last checked update's weights flag
+        self._updates = UpdateCheck(cfg.check_updates_every)     # which updates' weights were read
         self._needs_closure = next((type(o).__name__ for o in self.optimizers if _needs_closure(o)), None)
         self._consecutive = 0
         self._div = Divergence(Rules.of(cfg))   # the same divergence model as replay's and smoke's Judge
@@ -394,7 +398,7 @@ class Guard:
         opt = self.optimizers[0]
         opt.step(guarded)
         if verdict and verdict[0] and self.enabled and step % self.cfg.check_every == 0:
-            self._queue_update(step, [p for g in opt.param_groups for p in g["params"]])
+            self._queue_update(step)
         return verdict[0] if verdict else True
 
     def _apply(self, scaler: torch.amp.GradScaler | None) -> None:
@@ -424,6 +428,7 @@ class Guard:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if not checked:
             self._apply(scaler)
+            self._updates.unchecked()
             return True
         norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
 
@@ -435,9 +440,14 @@ class Guard:
         update, self._update = self._update, None
         loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
             loss, norm, scaler, (rank, world) if world > 1 else None, update[1] if update is not None else None)
+        if update is not None:
+            self._updates.read(update[0], not weights_bad)
         if weights_bad:   # the last checked update made weights non-finite: name it (raises, but under "record")
             self._update_born(update[0], rank, world)
         reason, status = self._judge(loss_v, norm_v, scaler is not None)
+        unread = self._updates.unread() if reason is not None or others_bad else None
+        if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
+            self._update_born(unread, rank, world)
         scaler_skip = (scaler is not None and norm_v is not None and not math.isfinite(norm_v)
                        and reason is None)
         lr = self._lr()
@@ -469,15 +479,16 @@ class Guard:
             self.warnings.append(w)
         self._apply(scaler)
         if not self._deferred:   # a closure optimizer updates after this returns: _closure_step queues it
-            self._queue_update(step, params)
+            self._queue_update(step)
         self._consecutive = 0
         self._add(loss_v, norm_v)
         self._history.append(_hist(step, loss_v, norm_v, lr, finite=True, skipped=False))
         return True
 
-    def _queue_update(self, step: int, params: list[torch.Tensor]) -> None:
-        """The update of checked step ``step`` ran: its weights flag is read in the next check's sync."""
-        flag = weights_flag(params)
+    def _queue_update(self, step: int) -> None:
+        """The update of checked step ``step`` ran: on every ``guard.check_updates_every``-th, its weights
+        flag is read in the next check's sync."""
+        flag = self._updates.applied_update(step, self.optimizers)
         self._update = (step, flag) if flag is not None else None
 
     def _update_born(self, step: int, rank: int, world: int) -> None:
@@ -488,6 +499,9 @@ class Guard:
         rows = upd.get("nonfinite_parameters")
         reason = describe(upd, step) if rows else f"the optimizer update of step {step} made the weights " \
                                                   "non-finite" + (" on another rank" if world > 1 else "")
+        since = self._updates.since(step)
+        if since is not None:
+            reason = f"{reason} ({since})"
         command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {step}"
         action = "recorded" if self.cfg.policy == "record" else "raised"
         event = GuardEvent(step=step, status="nonfinite", reason=reason, action=action, local=bool(rows),

@@ -32,6 +32,91 @@ def weights_flag(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         return torch.stack(torch._foreach_norm(shards, dtype=torch.float32)).amax()
 
 
+# optimizers whose update is bounded for finite gradients, weights and LR when eps > 0 (SGD, Adam's
+# m / (sqrt(v) + eps), ...): in float32/float64 weights such an update cannot make a weight non-finite
+_BOUNDED = frozenset({"SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adadelta", "ASGD"})
+_WIDE = (torch.float32, torch.float64)
+
+
+def unbounded_update(optimizers: Iterable[torch.optim.Optimizer]) -> str | None:
+    """Why these optimizers' next update may make finite weights non-finite from finite gradients (an
+    eps of 0: Adam's 0/0 where the second moment is 0; fp16/bf16 weights: an update past the dtype's
+    range; an optimizer nanprobe does not know), or None when it cannot. Reads only settings and dtypes."""
+    for opt in optimizers:
+        name = type(opt).__name__
+        if name not in _BOUNDED:
+            return f"{name} is not an optimizer whose update nanprobe can bound"
+        for group in opt.param_groups:
+            eps = group.get("eps")
+            if isinstance(eps, (int, float)) and eps <= 0:
+                return f"{name} has eps={eps:g}"
+            if any(p.dtype not in _WIDE for p in group["params"]):
+                return f"{name} updates {next(p.dtype for p in group['params'] if p.dtype not in _WIDE)} weights"
+    return None
+
+
+class UpdateCheck:
+    """Which applied updates have their weights read (``guard.check_updates_every``).
+
+    Reading the weights after an update (:func:`weights_flag`, queued for the next check's sync) is one
+    read-only pass over them, about the cost of the gradient-norm pass. It runs after every update
+    whose optimizer can make finite weights non-finite from finite gradients
+    (:func:`unbounded_update`: eps=0, fp16/bf16 weights, an unknown optimizer), and after every
+    ``every``-th of the others. An update not read is not lost from view: a step whose loss or
+    gradients go non-finite asks :meth:`unread` whether the last update was read and, when not, the
+    guard reads the weights there (the rare path), so weights a forward uses are named at the update
+    that made them. Weights no forward uses are caught at the next read, which names the range of
+    updates since the last finite one (:meth:`since`)."""
+
+    RECHECK = 100   # updates between two looks at the optimizers' settings (a param group may change)
+
+    def __init__(self, every: int = 1):
+        self.every = every
+        self.applied = 0                              # updates applied since the start
+        self.last: int | None = None                  # the step of the last applied (checked good) update
+        self.read_finite: int | None = None           # the last update whose weights were read finite
+        self.unbounded: str | None = None             # why every update is read (unbounded_update)
+
+    def applied_update(self, step: int, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor | None:
+        """The update of ``step`` ran: the weights flag to queue (no sync) when this update is read."""
+        if self.every > 1 and self.applied % self.RECHECK == 0:
+            self.unbounded = unbounded_update(optimizers)
+        self.applied += 1
+        self.last = step
+        if self.every > 1 and self.unbounded is None and (self.applied - 1) % self.every:
+            return None
+        return weights_flag(p for opt in optimizers for g in opt.param_groups for p in g["params"])
+
+    def unchecked(self) -> None:
+        """An update of an unchecked step (``guard.check_every``) ran: its gradients were never read, so
+        weights non-finite after it are not an update's doing that :meth:`unread` may name."""
+        self.last = None
+
+    def read(self, step: int, finite: bool) -> None:
+        """The flag queued after ``step``'s update was read back."""
+        if finite:
+            self.read_finite = step
+
+    def unread(self) -> int | None:
+        """The last applied update, when its weights were not read finite since: the one to read on a bad
+        step (None: nothing to read)."""
+        if self.last is None or self.read_finite == self.last:
+            return None
+        return self.last
+
+    def since(self, step: int) -> str | None:
+        """Evidence for weights first seen non-finite after ``step``'s update when earlier updates were
+        not read (``every`` > 1): the range of updates that may have made them. None when ``step``
+        follows the last finite read."""
+        first = 0 if self.read_finite is None else self.read_finite + 1
+        if first >= step:
+            return None
+        last = "before the first update" if self.read_finite is None else f"after the update of step {self.read_finite}"
+        return (f"the weights were last read finite {last}, so one of the updates of steps {first}-{step} made them "
+                f"non-finite; this report names the last, step {step} (the weights of an optimizer whose update is "
+                f"bounded are read every {self.every} updates, guard.check_updates_every, and on every bad step)")
+
+
 def update_forensics(optimizers: Iterable[torch.optim.Optimizer], names: dict[int, str], *,
                      weights: bool = True) -> dict[str, Any]:
     """The first optimizer's settings and (``weights``) the parameters that hold non-finite values,
@@ -119,4 +204,4 @@ def update_finding(upd: dict[str, Any], step: int) -> Finding:
                    evidence=tuple(lines))
 
 
-__all__ = ["weights_flag", "update_forensics", "update_finding", "describe"]
+__all__ = ["UpdateCheck", "unbounded_update", "weights_flag", "update_forensics", "update_finding", "describe"]

@@ -441,3 +441,74 @@ def test_an_update_that_makes_weights_non_finite_is_named_at_its_own_step(tmp_pa
     assert (event.step, event.action, event.command) == (6, "raised", "nanprobe run ENTRY --at 6")
     assert event.reason.startswith("the AdamW update of step 6 made the weights non-finite: ")
     assert "of kind.weight (lr=0.01, eps=0); its Adam second moment has" in event.reason
+
+
+class _Spare(nn.Module):
+    """A linear layer and a spare weight its forward never lets through (``torch.where`` picks the other
+    branch, so an infinite spare changes neither the loss nor any gradient): only reading the weights
+    sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.spare = nn.Parameter(torch.ones(8, 1))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.where(torch.zeros_like(y, dtype=torch.bool), self.spare, y)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_weights_are_read_every_k_updates_and_a_late_read_names_the_range(tmp_path, every):
+    """SGD (an update nanprobe can bound) with guard.check_updates_every=k: the spare weight's group gets
+    lr=1e38 at step 5 (weight decay 10 sends it to -inf; the loss stays finite). Read after every update it
+    is named at step 5; read every 4th update (steps 0, 4, 8), at step 8 with the range 5-8."""
+    from nanprobe.config import Config, GuardConfig
+
+    torch.manual_seed(0)
+    model = _Spare()
+    opt = torch.optim.SGD([{"params": model.lin.parameters()},
+                           {"params": [model.spare], "weight_decay": 10.0}], lr=1e-2)
+    guard = Guard(model, opt, config=Config(guard=GuardConfig(check_updates_every=every,
+                                                              capsule_dir=str(tmp_path))))
+    with pytest.raises(GuardTripped) as info:
+        for step in range(12):
+            if step == 5:
+                opt.param_groups[1]["lr"] = 1e38
+            x = torch.randn(8, 4)
+            with guard.step(x):
+                opt.zero_grad()
+                loss = ((model(x) - 1) ** 2).mean()
+                guard.backward(loss)
+                assert torch.isfinite(loss)
+            guard.optimizer_step()
+    event = info.value.event
+    named = 5 if every == 1 else 8
+    assert event.step == named and event.command == f"nanprobe run ENTRY --at {named}"
+    assert event.reason.startswith(f"the SGD update of step {named} made the weights non-finite: ")
+    assert "of spare (lr=1e+38" in event.reason
+    assert ("one of the updates of steps 5-8 made them non-finite" in event.reason) == (every == 4)
+
+
+def test_an_update_a_forward_then_uses_is_named_at_its_step_between_reads(tmp_path):
+    """Weights read every 10 updates (after steps 0, 10, ...), an LR of 1e38 with weight decay 100 at
+    step 6 only: step 7's loss is non-finite, that bad step reads the weights, and the update of step 6
+    is named (not step 7's data), with the range of updates not read since step 0's."""
+    from nanprobe.config import Config, GuardConfig
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = Guard(model, opt, config=Config(guard=GuardConfig(check_updates_every=10, capsule_dir=str(tmp_path))))
+    with pytest.raises(GuardTripped) as info:
+        for step in range(10):
+            opt.param_groups[0]["lr"] = 1e38 if step == 6 else 1e-2
+            opt.param_groups[0]["weight_decay"] = 100.0 if step == 6 else 0.0
+            x = torch.randn(8, 4)
+            with guard.step(x):
+                opt.zero_grad()
+                guard.backward(((model(x) - 1) ** 2).mean())
+            guard.optimizer_step()
+    event = info.value.event
+    assert event.step == 6 and event.reason.startswith("the SGD update of step 6 made the weights non-finite: ")
+    assert "one of the updates of steps 1-6 made them non-finite; this report names the last, step 6" in event.reason

@@ -54,7 +54,7 @@ from ..step import Loop
 from ..target import Target
 from ..guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
 from ..sharding import full_value, sharded, weights_finite
-from ..updates import describe, update_finding, update_forensics, weights_flag
+from ..updates import UpdateCheck, describe, update_finding, update_forensics
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
 
@@ -132,6 +132,8 @@ class HookedGuard:
         self._checked = True              # the step in progress is checked (check_every)
         self._updating: tuple[int, list[torch.optim.Optimizer]] | None = None   # a checked good step's update
         self._update: tuple[int, torch.Tensor, list] | None = None   # its weights flag, read at the next check
+        self.updates = UpdateCheck(self.gcfg.check_updates_every)     # which updates' weights were read
+        self._update_optimizers: list[torch.optim.Optimizer] = []     # those of the last applied update
         self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
         self._carried: dict[str, Any] = {}
@@ -177,22 +179,33 @@ class HookedGuard:
         self._items, self._rng_after, self._losses = [], [], []
 
     def after_update(self) -> None:
-        """The framework applied the update of the last checked good step: queue the weights flag
-        (:func:`nanprobe.updates.weights_flag`, no sync) for the next check's one sync."""
+        """The framework applied the update of the last checked good step: on every
+        ``guard.check_updates_every``-th, queue the weights flag (:func:`nanprobe.updates.weights_flag`,
+        no sync) for the next check's one sync."""
         updating, self._updating = self._updating, None
         if updating is None or self.busy:
             return
         step, optimizers = updating
-        flag = weights_flag(p for opt in optimizers for g in opt.param_groups for p in g["params"])
+        self._update_optimizers = optimizers
+        flag = self.updates.applied_update(step, optimizers)
         self._update = (step, flag, optimizers) if flag is not None else None
 
     def final_check(self) -> bool:
         """Training ended: the last checked update's weights flag (one sync). True when that update made
         weights non-finite: it is then the pending bad step (finish it)."""
         update, self._update = self._update, None
-        if update is None or self.busy or math.isfinite(float(update[1])):
+        if self.busy:
             return False
-        step, _, optimizers = update
+        if update is not None:
+            if math.isfinite(float(update[1])):
+                self.updates.read(update[0], True)
+                return False
+            step, optimizers = update[0], update[2]
+        else:   # the last updates were not read (check_updates_every): read the weights now
+            step = self.updates.unread()
+            if step is None or weights_finite(self.model):
+                return False
+            optimizers = self._update_optimizers
         rank, world = self._world or distributed()
         record = StepRecord(step=step, loss=None, grad_norm=None, lr=current_lr(optimizers), update_ratio=None,
                             finite=False)
@@ -210,6 +223,7 @@ class HookedGuard:
         if self.busy:
             return False
         if not self._checked:
+            self.updates.unchecked()
             self.reset()
             return False
         try:
@@ -257,8 +271,13 @@ class HookedGuard:
         elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
             # this rank's loss is finite: its non-finite gradients came through the gradient reduction
             reason, local = rank_reason(reason or "bad step", loss_rank), False
+        if update is not None:
+            self.updates.read(update[0], not weights_bad)
         if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
             return self._update_born(update[0], record, rank, world, optimizers)
+        unread = self.updates.unread() if status is not Status.FINITE else None
+        if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
+            return self._update_born(unread, record, rank, world, self._update_optimizers or optimizers)
         if status is Status.FINITE:
             w = close_step(self.monitor, step, loss=loss_v, grad_norm=norm_v, lr=lr, scaler=scaler,
                            optimizers=optimizers, logger=self.logger)
@@ -368,6 +387,9 @@ class HookedGuard:
     def _update_report(self, upd: dict[str, Any], step: int) -> Report:
         first = upd["nonfinite_parameters"][0]
         finding = update_finding(upd, step)
+        since = self.updates.since(step)
+        if since is not None:
+            finding = dataclasses.replace(finding, evidence=(*finding.evidence, since))
         origin = Origin(phase=Phase.UPDATE, module=finding.module, op=None, precision=str(first.get("dtype")),
                         kind=first.get("kind"), parameter=first["parameter"])
         return Report(command=self.command, entry=self.entry or "ENTRY", step=step, status=Status.NONFINITE,
@@ -375,7 +397,7 @@ class HookedGuard:
                       findings=(finding,), history=tuple(self.history),
                       reached_by=f"{self.who} in the training process: the weights right after the update of "
                                  f"step {step}",
-                      notes=(f"caught in the check of the next step (no sync of its own); the state before this "
+                      notes=(f"caught in the check of a later step; the state before this "
                              f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
                              "the step from your checkpoint or step 0 and reruns the update instrumented",))
 
