@@ -7,13 +7,15 @@ the recurrent gain above 1 is amplified over the 50 time steps:
 
 - step 2: the loss jumps from 6.8 to about 3e3 (the step-1 update raised the recurrent gain), and the
   next update brings it back: by step 3 the loss is 3.2 again. Training goes on, noisy (losses 2-15);
-- step 329: the loss is 4.9e7 and the unclipped gradient norm 1.6e9; that update writes inf/NaN
-  into the recurrent weights, and step 330 is NaN everywhere.
+- hundreds of steps later (step 329 on an AVX2 CPU with one thread; 419, 567 or 695 with AVX-512 or two
+  threads: the run sits at the edge of stability, so the last bit of each matmul decides when) the loss
+  is about 1e7-1e13 and the unclipped gradient norm orders of magnitude above it; that update writes
+  inf/NaN into the recurrent weights, and the next step is NaN everywhere.
 
 Stopping at step 2 would blame an excursion the run recovered from. Expected diagnosis (``nanprobe run``
-without ``--at``): the first step that does not recover, 330, cause ``lr_spike`` (the update of step 329
-grew the weights by orders of magnitude, unclipped), with the step-2 excursion as its ``onset``, and
-clipping as the first fix. The usual fix: ``clip_grad_norm_(model.parameters(), 1.0)`` (and a lower LR).
+without ``--at``): the first step that does not recover (330 in the first case), cause ``lr_spike`` (the
+update of the step before it grew the weights by orders of magnitude, unclipped), with the step-2
+excursion as its ``onset``, and clipping as the first fix. The usual fix: ``clip_grad_norm_(model.parameters(), 1.0)`` (and a lower LR).
 """
 
 from __future__ import annotations
@@ -68,4 +70,4 @@ def target():
 if __name__ == "__main__":
     from plain_loop import train
 
-    train(target(), steps=400)
+    train(target(), steps=1200)

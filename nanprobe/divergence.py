@@ -410,8 +410,7 @@ class Breakaway:
         if self.best is None or level < self.best:
             self.best, self.best_step, self.above_since = level, step, None
             return None
-        sigma = _MAD_SIGMA * _mid(self.diffs) / math.sqrt(2) if self.diffs else 0.0
-        cut = self.best + max(self.sigmas * sigma, self.rise * abs(self.best))
+        sigma, cut = self.noise(), self.cut()
         if level <= cut:
             self.above_since = None
             return None
@@ -421,6 +420,16 @@ class Breakaway:
             return None
         return {"best": self.best, "best_step": self.best_step, "level": level, "step": step,
                 "since": self.above_since, "sigma": sigma, "cut": cut}
+
+    def noise(self) -> float:
+        """The loss's noise sigma: robust, of its step-to-step changes."""
+        return _MAD_SIGMA * _mid(self.diffs) / math.sqrt(2) if self.diffs else 0.0
+
+    def cut(self) -> float | None:
+        """The level above which the loss has left its best level (None before a full window)."""
+        if self.best is None:
+            return None
+        return self.best + max(self.sigmas * self.noise(), self.rise * abs(self.best))
 
     @staticmethod
     def describe(facts: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,33 @@ def broke_away(losses: list[tuple[int, float]], *, sigmas: float = 4.0, rise: fl
     if b.above_since is None or b.n < b.min_steps or losses[-1][0] - b.above_since + 1 < b.patience:
         return None
     return b.above_since
+
+
+def left_before(history: list[tuple[int, float]], *, sigmas: float = 4.0,
+                rise: float = 0.1) -> tuple[float, int, float] | None:
+    """(best level, its step, the cut above it) when the run had already left its best level before the
+    horizon began (a lookback shorter than the divergence): a fix that holds must bring it back under
+    the cut. None when the run was at its best level (or its history is too short to say)."""
+    b = Breakaway(window=5, sigmas=sigmas, rise=rise, patience=1, min_steps=10)
+    for step, loss in history:
+        if loss is not None:
+            b.add(loss, step)
+    if b.above_since is None or b.best is None or b.n < b.min_steps:
+        return None
+    return b.best, b.best_step, b.cut()
+
+
+def came_back(losses: list[tuple[int, float]], level: tuple[float, int, float]) -> str | None:
+    """None when the run's last 5 losses (median) are back under the cut of :func:`left_before`, else
+    why not."""
+    if not losses:
+        return None
+    now = statistics.median(v for _, v in losses[-5:])
+    best, step, cut = level
+    if now <= cut:
+        return None
+    return (f"the loss did not come back to the run's best level before the horizon ({best:.3g} at step {step}; "
+            f"{now:.3g} over its last steps): the run had already left it when the horizon began")
 
 
 # -- one horizon ------------------------------------------------------------------------------------
@@ -90,11 +118,13 @@ class Horizon:
         self.recorded: dict[int, Recorded] = {}
         self.notes: list[str] = []
         self.data_end: int | None = None          # the last step the data reaches, once seen
+        self.level: tuple[float, int, float] | None = None   # left_before: the run had broken away already
         self.setup_seconds = 0.0
         t0 = time.perf_counter()
         if start == reached.step:
             self.target, self.loop, self.snapshot = reached.loop.target, reached.loop, reached.snapshot
             self.prefix = list(reached.history)
+            self._level([(h.step, h.loss) for h in reached.history])
             self.recorded[start] = reached.recorded
             self.rng = RngTracker(self.loop.device_type)
             self.stream = Stream(self.target, self.rng, record=False)
@@ -125,7 +155,13 @@ class Horizon:
         self.loop.precision = self.precision
         self.snapshot = self.loop.objects.take()
         self.prefix = history[-self.cfg.replay.spike_window:]
+        self._level([(h.step, h.loss) for h in history])
         self.check_same([(h.step, h.loss) for h in history])
+
+    def _level(self, losses: list[tuple[int, float | None]]) -> None:
+        m = self.cfg.monitor
+        self.level = left_before([(k, v) for k, v in losses if v is not None and k < self.start],
+                                 sigmas=m.breakaway_sigmas, rise=m.breakaway_rise)
 
     def check_same(self, losses: list[tuple[int, float | None]]) -> None:
         """The steps the replay also ran must give the same losses (else the horizon is another run)."""
@@ -231,6 +267,10 @@ class Horizon:
                               rise=self.cfg.monitor.breakaway_rise)
             if slow is not None:
                 out.failed_at, out.reason = slow, "the loss left its best level and did not come back"
+            elif self.level is not None and out.losses and out.last > self.failing:
+                why = came_back(out.losses, self.level)
+                if why is not None:
+                    out.failed_at, out.reason = out.last, why
         return out
 
     def _origin(self, remedy: Remedy, k: int, rolling: Snapshot, at: int) -> dict[str, Any] | None:

@@ -30,7 +30,8 @@ def _horizon(monitor: dict | None = None, **kw):
 def test_proxy_fp16_qk_norm_and_a_lower_lr_hold_where_precision_fixes_fail():
     """The attention-logit-growth proxy in fp16 + GradScaler (NaN after tens of steps of growth):
     from before the failing step (the target built again and replayed there), qk-layernorm applied
-    from outside and a lower peak LR hold through the failing step and past it; training in bf16
+    from outside holds through the failing step and past it (a lower peak LR too, where the run had
+    not yet left its best level when the horizon began); training in bf16
     and an fp32 island for the overflowing module, each of which makes the failing step itself
     finite, fail over the same horizon, and say at which step."""
     # the loss breaks away a few steps before the NaN (status diverging: tests/test_trajectory.py); here the
@@ -48,7 +49,10 @@ def test_proxy_fp16_qk_norm_and_a_lower_lr_hold_where_precision_fixes_fail():
     assert (v["from_step"], v["to_step"], v["steps"]) == (n - 12, n + 12, 25)
     assert qk.verify_note.startswith("held for 25 steps, to step ") and "unfixed: loss is nan" in qk.verify_note
     lr = next(f for f in top.fixes if "learning rate" in f.title)
-    assert lr.verified is True
+    # where the run had not left its best level by step n - 12 (AVX2 kernels) the lower LR holds; where it
+    # had (AVX-512: the fp16 run lasts longer), a fix must bring the loss back, and 25 steps at 0.3x do not
+    assert lr.verified is True or (lr.verification["failed_at"] == n + 12 and "did not come back to the run's "
+                                   "best level before the horizon" in lr.verify_note)
     bf16 = next(f for f in top.fixes if "bf16" in f.title)
     island = next(f for f in top.fixes if "float32" in f.title)
     for fix in (bf16, island):
@@ -75,30 +79,32 @@ def test_a_fix_holds_over_the_horizon_and_a_one_step_rerun_is_never_called_verif
     assert not any(f.verified for f in one.top.fixes)
 
 
-def test_slow_divergence_qk_norm_holds_where_z_loss_alone_does_not():
+def test_slow_divergence_qk_norm_holds_where_a_precision_fix_does_not():
     """The proxy's slow divergence (fp32: every value finite, the loss breaks away from its best
     level): from the onset the unfixed run diverges inside the horizon; qk-layernorm holds with a
-    lower loss, z-loss alone does not (Wortsman et al.), and says at which step it broke away."""
+    lower loss; a precision fix (the attention in float32, which it already is) fails where the
+    unfixed run does, and says at which step it broke away. (z-loss alone or harder clipping hold
+    or fail by the last bits of the CPU's kernels here: not a claim a test can make.)"""
     loaded = load_target(asset("attention_growth.py") + ":target")
     t = loaded.target
     reached = reach(t, at=70, precision=t.precision, cfg=CFG.replay, where=loaded.where)
     attn = ("blocks.0.attn", "blocks.1.attn")
     candidates = [(Fix(title="qk-layernorm", code="..."), Remedy(qk_norm=attn)),
-                  (Fix(title="z-loss", code="..."), Remedy(z_loss=("lm_head", 1e-4))),
+                  (Fix(title="float32 attention", code="..."), Remedy(fp32_modules=attn)),
                   (Fix(title="a data fix", code="..."), None)]
     try:
-        qk, z, data = verify_over_horizon(loaded, reached, 50, candidates, _horizon(margin=10, max_fixes=2))
+        qk, z, data = verify_over_horizon(loaded, reached, 50, candidates, _horizon(margin=25, max_fixes=2))
     finally:
         reached.restore()
     v = qk.verification
-    assert (v["from_step"], v["to_step"], v["steps"]) == (50, 80, 31)
+    assert (v["from_step"], v["to_step"], v["steps"]) == (50, 95, 46)
     diverged = v["unfixed_failed_at"]
-    assert diverged is not None and 50 < diverged <= 80               # the unfixed run broke away
+    # the unfixed run broke away (where depends on the CPU's kernels: step 69 with AVX2, 78 with AVX-512)
+    assert diverged is not None and 50 < diverged <= 95
     assert qk.verified is True and v["loss_fixed"] < v["loss_unfixed"]
     assert f"unfixed, which diverged from step {diverged}" in qk.verify_note
-    assert z.verified is False and 50 < z.verification["failed_at"] <= 80
-    assert z.verify_note == f"failed at step {z.verification['failed_at']}: the loss left its best level and did " \
-                            "not come back"
+    assert z.verified is False and z.verification["failed_at"] == diverged
+    assert z.verify_note == f"failed at step {diverged}: the loss left its best level and did not come back"
     assert data.verified is None and "cannot apply from outside" in data.verify_note
 
 
@@ -182,3 +188,24 @@ def test_a_remedy_says_why_it_cannot_be_applied_from_outside():
     assert "step_fn computes its own" in Remedy(z_loss=("1", 1e-4)).why_not(t)
     assert Remedy(fp32_modules=("2",)).why_not(t) == "no module '2' in the model"
     assert Remedy(fp32_modules=("1",), lr_scale=0.3).why_not(t) is None
+
+
+def test_a_horizon_that_starts_after_the_break_away_holds_only_if_the_loss_comes_back():
+    """A lookback shorter than the divergence: the run left its best level (about 2) before the horizon
+    began. A fix that stops the rise but leaves the loss up there did not hold; one that brings it back
+    under the cut did; a run still at its best level when the horizon began has no such bar."""
+    from nanprobe.horizon import came_back, left_before
+
+    noise = [0.02 * ((-1) ** k) for k in range(60)]
+    broke = [(k, 2.0 + noise[k] + (0.03 * (k - 30) if k > 30 else 0.0)) for k in range(60)]   # 2.0 -> 2.9
+    level = left_before(broke)
+    assert level is not None and level[0] == pytest.approx(1.98, abs=0.03) and level[1] < 31
+    assert 2.0 < level[2] < 2.3
+    plateau = [(k, 2.9 + noise[k - 60]) for k in range(60, 85)]
+    why = came_back(plateau, level)
+    assert why is not None and why.startswith("the loss did not come back to the run's best level before the "
+                                              "horizon (1.98 at step") and "2.9" in why
+    recovered = [(k, 2.9 - 0.05 * (k - 60)) for k in range(60, 85)]                       # back to ~1.7
+    assert came_back(recovered, level) is None
+    assert left_before([(k, 2.0 + noise[k]) for k in range(60)]) is None                  # at its best level
+    assert left_before(broke[:8]) is None                                                 # too short to say
