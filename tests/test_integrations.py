@@ -170,6 +170,15 @@ def test_lightning_nan_in_the_second_epoch_is_skipped_diagnosed_and_reported(tmp
     assert f"step {expected}: non-finite values born in forward at (loss_fn) (aten.div.Tensor, {src});" in lines[0]
     assert f"Report: {bad.report}." in lines[0]   # outside the working directory: the absolute path
     assert lines[0].endswith(f"Replay: nanprobe run ENTRY --capsule {bad.capsule}")
+    # that command replays it to the same diagnosis: an ENTRY whose loss_fn calls training_step, no Trainer
+    # (the module reads current_epoch 1, as in the run: the relative-error term is on)
+    from conftest import asset
+    from nanprobe.diagnose import diagnose
+    replayed = diagnose(asset("lightning_regressor.py") + ":target", capsule=bad.capsule).to_json()
+    assert (replayed["step"], replayed["origin"]["phase"], replayed["origin"]["op"], replayed["origin"]["source"]) == \
+        (expected, "forward", "aten.div.Tensor", origin["source"])
+    assert replayed["findings"][0]["cause"] == "div" and replayed["fidelity"]["reproduced"] is True
+    assert "current_epoch reads 1 and global_step" in " ".join(replayed["notes"])
     # later bad steps are skipped too; only the first is diagnosed in-process (max_reports=1)
     assert all(e.action == "skipped" and e.report is None for e in cb.events[1:])
 
@@ -361,6 +370,15 @@ def test_transformers_sft_batch_with_every_label_ignored(tmp_path, caplog):
     assert cap.step == expected and cap.data["max_grad_norm"] == 1.0
     lines = [r.getMessage() for r in caplog.records if r.name == "nanprobe.transformers"]
     assert len(lines) == len(cb.events) and f"step {expected}: non-finite values born in forward" in lines[0]
+    assert lines[0].endswith(f"Replay: nanprobe run ENTRY --capsule {bad.capsule}")
+    # that command replays it to the same diagnosis, with an ENTRY returning replay_target(the script's Trainer)
+    from conftest import asset
+    from nanprobe.diagnose import diagnose
+    replayed = diagnose(asset("hf_sft.py") + ":target", capsule=bad.capsule).to_json()
+    assert (replayed["step"], replayed["origin"]["op"], replayed["origin"]["source"]) == \
+        (expected, "aten.div.Tensor", origin["source"])
+    assert (replayed["findings"][0]["cause"], replayed["findings"][0]["phase"]) == ("data", "forward")
+    assert replayed["fidelity"]["reproduced"] is True
 
 
 def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(tmp_path):

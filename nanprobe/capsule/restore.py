@@ -18,8 +18,30 @@ import torch
 from ..errors import CapsuleError, UsageError
 from ..precision import Precision, device_of, parse_precision
 from ..report import Status
-from .codec import decode_batch, fingerprint_difference, rng_from_safe
+from .codec import decode_batch, fingerprint_difference, rng_from_safe, unwrap
 from .io import Capsule, list_capsules, read, to_record
+
+
+def _no_log(self, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _lightning_position(module: torch.nn.Module, epoch: int, step: int, notes: list[str]) -> None:
+    """A LightningModule the ENTRY built, outside any Trainer, replaying a step the run took in epoch
+    ``epoch`` at ``global_step`` ``step``: ``training_step`` code that reads ``self.current_epoch`` or
+    ``self.global_step`` (a loss switched on after a warm-up epoch) sees what it saw in the run, and
+    ``self.log`` does nothing (no warning per call). The module's class is swapped for a subclass that
+    says so; a module attached to a Trainer keeps its own."""
+    cls = type(module)
+    if getattr(module, "_trainer", None) is not None or not any(
+            c.__name__ == "LightningModule" and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+            for c in cls.__mro__):
+        return
+    ns = {"current_epoch": property(lambda self: epoch), "global_step": property(lambda self: step),
+          "log": _no_log, "log_dict": _no_log, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    module.__class__ = type(cls.__name__, (cls,), ns)
+    notes.append(f"a LightningModule replayed outside a Trainer: current_epoch reads {epoch} and global_step "
+                 f"{step}, as in the run; self.log does nothing")
 
 
 def check_model(capsule: Capsule, model: torch.nn.Module) -> None:
@@ -203,6 +225,9 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     target.precision = prec
     loop = Loop(target, loaded.where, prec, policy or "native")
     _load_states(cap, target, loop, notes)
+    pos = data.get("position") if isinstance(data.get("position"), Mapping) else None
+    if pos and pos.get("epoch") is not None:
+        _lightning_position(unwrap(target.model), int(pos["epoch"]), cap.step, notes)
     carried = data.get("carried")
     if carried and not isinstance(carried, Mapping):
         raise CapsuleError("capsule field 'carried' is damaged", cap.path, "Use another capsule")

@@ -213,14 +213,7 @@ class NanprobeCallback(_Base):
         return wrapper
 
     def _target(self, trainer: Any) -> Target:
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        sched = trainer.lr_scheduler
-        return validate({"model": trainer.model, "step_fn": self._step, "batches": [],
-                         "optimizer": _unwrap_optimizer(trainer.optimizer),
-                         "scheduler": sched if callable(getattr(sched, "step", None)) else None,
-                         "grad_scaler": scaler if isinstance(scaler, torch.amp.GradScaler) else False,
-                         "precision": _precision(trainer.args),
-                         "accumulate": int(trainer.args.gradient_accumulation_steps)}, "NanprobeCallback")
+        return validate(_target_dict(trainer, self._step), "NanprobeCallback")
 
     def _scaler(self) -> torch.amp.GradScaler | None:
         scaler = getattr(self._trainer.accelerator, "scaler", None)
@@ -295,6 +288,43 @@ class NanprobeCallback(_Base):
         return control
 
 
+def _target_dict(trainer: Any, step: TrainerStep) -> dict[str, Any]:
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    sched = trainer.lr_scheduler
+    return {"model": trainer.model, "step_fn": step, "batches": [],
+            "optimizer": _unwrap_optimizer(trainer.optimizer),
+            "scheduler": sched if callable(getattr(sched, "step", None)) else None,
+            "grad_scaler": scaler if isinstance(scaler, torch.amp.GradScaler) else False,
+            "precision": _precision(trainer.args),
+            "accumulate": int(trainer.args.gradient_accumulation_steps)}
+
+
+def replay_target(trainer: Any, num_training_steps: int | None = None) -> dict[str, Any]:
+    """What an ENTRY returns to replay a :class:`NanprobeCallback` capsule with ``nanprobe run ENTRY
+    --capsule FILE``: ``def target(): return replay_target(build_trainer())``, the ``Trainer`` your
+    script builds (model, ``TrainingArguments``, datasets; not trained). Its optimizer and LR scheduler
+    are created as ``train()`` creates them (the total steps from ``max_steps``, else the epochs and
+    the train dataloader's length; or ``num_training_steps``), the capsule fills their state, and the
+    step is the Trainer's own (:class:`TrainerStep`), as the callback ran it."""
+    if _Trainer is None:
+        require("transformers", "transformers", "nanprobe.integrations.transformers.replay_target")
+    if not isinstance(trainer, _Trainer):
+        raise UsageError(f"replay_target got a {type(trainer).__name__}, not a transformers.Trainer",
+                         "replay_target", "Pass the Trainer your script builds: replay_target(Trainer(model=..., "
+                                          "args=..., train_dataset=...))")
+    args = trainer.args
+    if num_training_steps is None:
+        if args.max_steps > 0:
+            num_training_steps = int(args.max_steps)
+        else:
+            n = len(trainer.get_train_dataloader())
+            ga = max(int(args.gradient_accumulation_steps), 1)
+            num_training_steps = math.ceil(args.num_train_epochs * max(n // ga + int(n % ga > 0), 1))
+    if trainer.optimizer is None or trainer.lr_scheduler is None:
+        trainer.create_optimizer_and_scheduler(num_training_steps=num_training_steps)
+    return _target_dict(trainer, TrainerStep(trainer, trainer.training_step))
+
+
 def _stage(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> str:
     state = scaler._per_optimizer_states.get(id(opt))
     stage = state.get("stage") if state else None
@@ -310,4 +340,4 @@ def _version() -> str:
         return "transformers"
 
 
-__all__ = ["NanprobeCallback", "TrainerStep"]
+__all__ = ["NanprobeCallback", "TrainerStep", "replay_target"]
