@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..classify import Evidence, classify
+from ..classify.mechanism import mechanism_findings
 from ..config import Config
 from ..errors import UsageError
 from ..feed import Recorded
@@ -657,7 +658,10 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     mark_masked(main)
     ev = Evidence(reached=reached, main=main, reference=None, probe=None, others={}, data=data, cfg=cfg.run,
                   entry=entry)
-    findings = attach(classify(ev), ev, None)
+    findings, _ = mechanism_findings(classify(ev), trend=None, status=status, step=at, breakaway=None,
+                                     ranges=trace.ranges, prec=prec,
+                                     origin_module=main.origin.module if main.origin else None)
+    findings = attach(findings, ev, None)
     findings = [_relabel_finding(f) for f in findings]
     if findings and any(fx.verified is None for f in findings[:1] for fx in f.fixes):
         notes.append(f"fixes not verified: verifying a fix trains forward with it over a horizon, which needs "
@@ -706,5 +710,51 @@ def _not_reproduced(at: int, entry: str, first_status: Status | None, rows: list
                   findings=(finding,), notes=(rows[0], *notes), reached_by=reached_by, fidelity=fidelity)
 
 
-__all__ = ["watch_at", "AtResult", "StepHooks", "at_command", "start_state", "restore_start_state",
+def unlocated_step(events: Sequence[Any]) -> int | None:
+    """The first bad step of a watched run whose report locates no origin (born in backward or update)."""
+    for e in events:
+        if not e.report:
+            continue
+        try:
+            data = json.loads(Path(e.report).read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("origin") is None and data.get("status") != Status.FINITE.value:
+            return e.step
+    return None
+
+
+def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.PathLike = DEFAULT_DIR,
+            config: str | os.PathLike | None = None) -> tuple[str | None, Path | None]:
+    """``watch --explain``: after the watched run, the first bad step it did not locate is explained by
+    ``nanprobe watch --at N`` in a fresh interpreter (the script starts as it did: its start state is
+    restored from --dir). Returns the line for the summary and the --at report (None when nothing to do)."""
+    import subprocess
+    import tempfile
+
+    step = unlocated_step(events)
+    if step is None:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "at.json"
+        argv = [sys.executable, "-m", "nanprobe.cli", "watch", "--at", str(step), "--dir", str(dirpath),
+                "--json", str(out), *(["--config", str(config)] if config is not None else []), "--", *command]
+        done = subprocess.run(argv, check=False)
+        try:
+            data = json.loads(out.read_text())
+        except (OSError, ValueError):
+            return (f"nanprobe watch --explain: step {step} was not located in-process; "
+                    f"{at_command(step, command, dirpath)} failed (exit code {done.returncode})"), None
+    path = max(Path(dirpath).glob(f"at-step{step:07d}-*.json"), key=lambda p: p.stat().st_mtime, default=None)
+    o = data.get("origin")
+    what = "not reproduced" if (data.get("fidelity") or {}).get("reproduced") is False or o is None and any(
+        f.get("cause") == Cause.NOT_REPRODUCED.value for f in data.get("findings", [])) else \
+        (f"origin in {o['phase']}, module {o['module'] or '(root)'}, {o.get('node') or o['op']}" if o else
+         "no origin located")
+    return (f"nanprobe watch --explain: step {step} was not located in-process, so the script was re-executed with "
+            f"step {step} instrumented ({at_command(step, command, dirpath)}): {what}"
+            + (f"; report: {path}" if path else "")), path
+
+
+__all__ = ["watch_at", "explain", "unlocated_step", "AtResult", "StepHooks", "at_command", "start_state", "restore_start_state",
            "write_start_state", "find_record", "record_json", "START_SUFFIX"]
