@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from nanprobe.cli import app
 from nanprobe.watch import watch
-from nanprobe.watch.at import START_SUFFIX, watch_at
+from nanprobe.watch.at import RUN_SUFFIX, watch_at
 
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 SQRT = WATCH / "sqrt_backward.py"
@@ -83,6 +83,9 @@ def test_watch_at_locates_a_nan_born_in_backward_that_watch_alone_does_not(tmp_p
     assert (bad.step, first["origin"]) == (expected, None)
     assert command in bad.headline and f"not located in-process: {command}" in first["notes"][0]
     assert first["watch"]["at"]["command"] == command
+    run = _json(first["watch"]["at"]["run_record"])
+    assert run["argv"] == [str(SQRT)] and [b["step"] for b in run["bad_steps"]] == [expected]
+    assert run["bad_steps"][0]["record"]["grad_norm"] == "nan" and run["skipped"] == [expected]
 
     at = watch_at(["python", str(SQRT)], expected, dirpath=tmp_path, json_out=tmp_path / "at.json")
     out = capsys.readouterr().out
@@ -131,15 +134,17 @@ def test_watch_at_locates_a_nan_born_in_a_criterion_module_outside_the_model(tmp
 
 
 def test_watch_at_repeats_the_updates_watch_skipped_before_the_step(tmp_path, capsys):
-    """A later bad step: the steps watch skipped before it are skipped again, so the state is the same."""
-    result = watch(["python", str(CRITERION)], dirpath=tmp_path, max_reports=3)
+    """A later bad step (beyond --max-reports: no report, a line): the updates watch skipped before it are
+    skipped again, so the rerun reaches the same state."""
+    result = watch(["python", str(CRITERION)], dirpath=tmp_path)
     skipped = [e.step for e in result.events if e.action == "skipped"]
-    later = next(e for e in result.events[1:] if e.report)
-    assert skipped[0] < later.step
-    at = watch_at(["python", str(CRITERION)], later.step, dirpath=tmp_path)
+    last = result.events[-1]
+    assert len(skipped) >= 2 and last.report is None and skipped[0] < last.step
+    at = watch_at(["python", str(CRITERION)], last.step, dirpath=tmp_path)
     data = at.report.to_json()
-    assert at.reproduced is True and data["fidelity"]["reproduced"] is True and data["step"] == later.step
-    assert _json(at.path)["watch"]["skipped_before"] == [s for s in skipped if s < later.step]
+    assert at.reproduced is True and data["fidelity"]["reproduced"] is True and data["step"] == last.step
+    assert data["status"] == last.status and data["origin"] is not None
+    assert _json(at.path)["watch"]["skipped_before"] == [s for s in skipped if s < last.step]
 
 
 def test_watch_at_restores_python_random_and_numpy_of_the_watched_run(tmp_path, capsys):
@@ -154,8 +159,10 @@ def test_watch_at_restores_python_random_and_numpy_of_the_watched_run(tmp_path, 
         ("backward", "distance", "sqrt")
     assert {"python random", "numpy"} <= set(_json(at.path)["watch"]["python_random_restored"])
     # without the start state the rerun draws other values: said plainly, never a diagnosis
-    for p in tmp_path.glob(f"*{START_SUFFIX}"):
-        p.unlink()
+    for p in tmp_path.glob(f"*{RUN_SUFFIX}"):
+        run = json.loads(p.read_text())
+        del run["start_state"]
+        p.write_text(json.dumps(run))
     again = watch_at(["python", str(SQRT), "--random"], step, dirpath=tmp_path)
     data = again.report.to_json()
     assert again.reproduced is False and data["origin"] is None

@@ -13,9 +13,11 @@ lines for the backward nodes); then the script is stopped and the trace is class
 
 Determinism. torch's default generator starts from the same seed in every process, Python's ``random``
 and numpy's global generator do not: the first ``watch`` run stores their states at the script's start
-(JSON, ``<dir>/watch-start-*.start.json``, named in its report) and ``--at`` restores them. The report of
-the first run (found in ``--dir`` by step and argv) holds the step's loss and gradient norm: the rerun
-is compared with them at step N, and a rerun that differs says "not reproduced" instead of a diagnosis.
+in its run record (JSON, ``<dir>/watch-*.run.json``, written at each bad step, named in its reports) and
+``--at`` restores them. The record (found in ``--dir`` by command) also holds each bad step's loss,
+gradient norm and whether its update broke the weights, and the updates watch skipped: ``--at`` skips
+those again, compares step N with the watched run, and a rerun that differs says "not reproduced"
+instead of a diagnosis.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from ..step import Loop, Patch
 from ..target import validate
 from .forward import ForwardStep, autocast_dtype, batch_of, device_of_module
 
-START_SUFFIX = ".start.json"
+RUN_SUFFIX = ".run.json"
 OUTSIDE = "(loss outside the model)"
 DEFAULT_DIR = "nanprobe-reports"
 
@@ -103,14 +105,18 @@ def restore_start_state(state: dict[str, Any]) -> list[str]:
     return done
 
 
-def write_start_state(dirpath: str | os.PathLike, state: dict[str, Any]) -> Path | None:
-    """Write the start state next to the reports (once per watched run); None when it cannot be written."""
+def write_run_record(dirpath: str | os.PathLike, path: Path | None, data: dict[str, Any]) -> Path | None:
+    """Write (or rewrite, at each bad step) the watched run's record for ``--at``: its command, its start RNG
+    states, the updates it skipped, each bad step's numbers. None when it cannot be written."""
     folder = Path(dirpath)
-    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"watch-start-{stamp}-{os.getpid()}{START_SUFFIX}"
-        path.write_text(json.dumps(state))
+        if path is None:
+            folder.mkdir(parents=True, exist_ok=True)
+            stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+            path = folder / f"watch-{stamp}-{os.getpid()}{RUN_SUFFIX}"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
         return path
     except OSError:
         return None
@@ -137,24 +143,27 @@ def _same_argv(a: Sequence[str] | None, b: Sequence[str]) -> bool:
     return os.path.realpath(a[0]) == os.path.realpath(b[0]) and list(a[1:]) == list(b[1:])
 
 
-def find_record(dirpath: str | os.PathLike, step: int, script_argv: Sequence[str]) -> tuple[Path, dict] | None:
-    """The newest ``watch`` report in ``dirpath`` of step ``step`` of this script with these arguments."""
+def find_run(dirpath: str | os.PathLike, step: int, script_argv: Sequence[str], command: Sequence[str] = ()
+             ) -> tuple[Path, dict[str, Any], dict[str, Any] | None] | None:
+    """The newest record of a watched run of this script with these arguments in ``dirpath`` that saw step
+    ``step`` bad (else the newest of any such run, with None for the step): (path, record, the step's entry)."""
     folder = Path(dirpath)
     if not folder.is_dir():
         return None
-    files = sorted((p for p in folder.glob("*.json") if not p.name.endswith(START_SUFFIX)),
-                   key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in files:
+    fallback = None
+    for path in sorted(folder.glob(f"*{RUN_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        w = data.get("watch") if isinstance(data, dict) else None
-        if data.get("command") != "watch" or data.get("step") != step or not isinstance(w, dict):
+        if not isinstance(data, dict) or not (_same_argv(data.get("argv"), script_argv)
+                                              or command and data.get("command") == list(command)):
             continue
-        if _same_argv(w.get("argv"), script_argv) and isinstance(w.get("at"), dict):
-            return path, data
-    return None
+        entry = next((b for b in data.get("bad_steps", []) if isinstance(b, dict) and b.get("step") == step), None)
+        if entry is not None:
+            return path, data, entry
+        fallback = fallback or (path, data, None)
+    return fallback
 
 
 # -- the rerun's hooks -----------------------------------------------------------------------------------
@@ -483,34 +492,31 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
         raise UsageError("--json - would mix the report with the script's output", "--json",
                          "Give a file: --json report.json")
     script_argv = [target, *args]
-    found = find_record(dirpath, at, script_argv) if kind == "script" else None
+    found = find_run(dirpath, at, script_argv, command)
     notes: list[str] = []
     expected: dict[str, Any] | None = None
     skipped: list[int] = []
     first: dict[str, Any] = {}
     restored: list[str] = []
     if found is None:
-        notes.append(f"no report of a watched run of this command at step {at} in {dirpath}: the rerun is not "
-                     "compared with the watched step, and Python random/numpy start as they do in any fresh "
-                     "process (run nanprobe watch first, with the same --dir)")
+        notes.append(f"no record of a watched run of this command in {dirpath}: the rerun is not compared with "
+                     "the watched step, and Python random/numpy start as in any fresh process (run nanprobe watch "
+                     "first, with the same --dir)")
     else:
-        rec_path, first = found
-        info = first["watch"]["at"]
-        expected = info.get("record")
-        skipped = [int(s) for s in info.get("skipped_before", []) if int(s) < at]
-        state_path = info.get("start_state")
-        state = None
-        if state_path:
-            try:
-                state = json.loads(Path(state_path).read_text())
-            except (OSError, ValueError):
-                state = None
-        if state is None:
-            notes.append(f"the start state of the watched run ({state_path or 'not recorded'}) could not be read: "
-                         "Python random/numpy start as in any fresh process")
-        else:
+        run_path, run, entry_ = found
+        skipped = [int(s) for s in run.get("skipped", []) if int(s) < at]
+        state = run.get("start_state")
+        if isinstance(state, dict):
             restored = restore_start_state(state)
-        notes.append(f"compared with the watched run's report {rec_path}")
+        else:
+            notes.append(f"the watched run's record {run_path} holds no start state: Python random/numpy start as "
+                         "in any fresh process")
+        if entry_ is None:
+            notes.append(f"the watched run ({run_path}) saw no bad step {at}: the rerun is not compared with it")
+        else:
+            expected = entry_.get("record")
+            first = entry_
+            notes.append(f"compared with the watched run's record {run_path}")
     hooks = StepHooks(at, skipped)
     script_error = None
     with _script_environment(kind, target, args):
@@ -593,7 +599,7 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
 
     entry = shlex.join(command)
     first_status = Status(first["status"]) if first.get("status") in {s.value for s in Status} else None
-    reason = (first.get("watch") or {}).get("reason")
+    reason = first.get("reason")
     what = "; restored at the start: " + ", ".join(restored) if restored else ""
     reached_by = f"nanprobe watch --at {at}: the script re-executed in-process, step {at} instrumented{what}"
     if not hooks.done:
@@ -649,7 +655,7 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                           lr=_float(h.get("lr")), update_ratio=_float(h.get("update_ratio")),
                           finite=bool(h.get("finite", True)), skipped=bool(h.get("skipped", False)))
                for h in first.get("history", []) if isinstance(h, dict) and isinstance(h.get("step"), int)
-               and h["step"] < at]
+               and h["step"] < at]   # the watched run's last steps before N
     reached = Reached(step=at, recorded=Recorded(step=at, items=hooks.items, rng_after=[], position=None),
                       snapshot=hooks.snapshot, loop=hooks.loop, precision=prec, status=status,
                       reason=reason or (f"step {at} is {status.value}" if status is not Status.FINITE else None),
@@ -756,5 +762,5 @@ def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.
             + (f"; report: {path}" if path else "")), path
 
 
-__all__ = ["watch_at", "explain", "unlocated_step", "AtResult", "StepHooks", "at_command", "start_state", "restore_start_state",
-           "write_start_state", "find_record", "record_json", "START_SUFFIX"]
+__all__ = ["watch_at", "explain", "unlocated_step", "AtResult", "StepHooks", "at_command", "start_state",
+           "restore_start_state", "write_run_record", "find_run", "record_json", "RUN_SUFFIX"]

@@ -27,7 +27,7 @@ from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
 from ..updates import update_finding, update_forensics
-from .at import at_command, record_json, write_start_state
+from .at import at_command, record_json, write_run_record
 from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
 
@@ -65,7 +65,8 @@ class Watcher:
         self.cfg = config
         self.argv = list(argv) if argv is not None else None   # the watched command (python train.py ARGS)
         self.start = start                        # the script's start RNG states (written with the first report)
-        self.start_path: str | None = None
+        self._run_path = None                     # its record for `watch --at` (nanprobe.watch.at)
+        self._bad_steps: list[dict[str, Any]] = []
         self.skipped: list[int] = []              # steps whose update the guard skipped (watch --at repeats it)
         self.max_reports = max_reports
         self.policy = policy
@@ -389,16 +390,20 @@ class Watcher:
         return at_command(step, self.argv or ["python", *sys.argv], self.dirpath)
 
     def _at_record(self, p: Pending) -> dict[str, Any]:
+        """Note the bad step in the run's record (rewritten at each bad step): what ``--at`` restores and
+        compares with. Returns what the report says of it."""
         g = self.guard
         record = p.record
         if p.report is not None:   # update-born: the step's own (good) check, not the later one that saw it
             record = next((h for h in g.history if h.step == p.step and h.finite), None)
-        if self.start is not None and self.start_path is None:
-            path = write_start_state(self.dirpath, self.start)
-            self.start_path = str(path) if path is not None else None
-        return {"record": record_json(record, weights_nonfinite=p.report is not None or p.corrupt),
-                "skipped_before": [s for s in self.skipped if s < p.step], "start_state": self.start_path,
-                "command": self.at_command(p.step)}
+        self._bad_steps.append({"step": p.step, "status": p.status.value, "reason": p.reason,
+                                "record": record_json(record, weights_nonfinite=p.report is not None or p.corrupt),
+                                "history": [h.to_json() for h in p.history[-8:] if h.step < p.step]})
+        path = write_run_record(self.dirpath, self._run_path, {
+            "argv": list(sys.argv), "command": self.argv, "start_state": self.start,
+            "skipped": list(self.skipped), "bad_steps": self._bad_steps})
+        self._run_path = path or self._run_path
+        return {"command": self.at_command(p.step), "run_record": str(path) if path is not None else None}
 
     def finish_at_exit(self) -> None:
         """The script ended with a caught bad step not yet diagnosed (its update was the GradScaler's to skip)."""
