@@ -205,3 +205,16 @@ def test_watch_cli_at_and_explain(tmp_path):
     assert _json(tmp_path / "at.json")["origin"]["node"] == "SqrtBackward0"
     res = runner.invoke(app, ["watch", "--at", "-1", "--", "python", str(SQRT)])
     assert res.exit_code == 2
+
+
+def test_watch_at_counts_gradscaler_skips_as_watch_does(tmp_path):
+    """fp16 autocast + GradScaler that skips every step: the step watch names is the step --at instruments."""
+    script = WATCH / "scaler_storm.py"
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    step = result.events[0].step
+    at = watch_at(["python", str(script)], step, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert at.reproduced is True and data["step"] == step and data["precision"] == "fp16"
+    assert data["fidelity"]["replayed"]["skipped"] is True   # the scaler skipped it in the watched run too
+    assert (data["origin"]["phase"], data["findings"][0]["cause"]) == ("backward", "overflow")
+    assert any(n.startswith(f"GradScaler skipped the update of step {step}") for n in data["notes"])
