@@ -257,13 +257,22 @@ class StepHooks:
         if self.done or not torch.is_grad_enabled():
             return
         if self.tracker is None:
-            if any(p.requires_grad for p in module.parameters()):
+            if self._is_root(module):
                 self._arm(module, args)
         elif module is self.root and self.tracker.phase is Phase.BACKWARD:   # the next micro-batch
             self._micro += 1
             self.tracker.set_phase(Phase.FORWARD)
             self.tracker.set_micro(self._micro, _batch_size(args), self._micro + 1)
             self.items.append(batch_of(args, {}, autocast_dtype(module)))
+
+    def _is_root(self, module: torch.nn.Module) -> bool:
+        """The first module called with gradients enabled that holds the guarded optimizer's parameters (before
+        step 0's update the optimizer is not known yet: one with trainable parameters)."""
+        opt = self.optimizer
+        if opt is None:
+            return any(p.requires_grad for p in module.parameters())
+        wanted = {id(p) for g in opt.param_groups for p in g["params"]}
+        return any(id(p) in wanted for p in module.parameters())
 
     def _arm(self, root: torch.nn.Module, args: tuple) -> None:
         self.root = root
@@ -370,7 +379,8 @@ class StepHooks:
             return None
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if callable(closure):
-            return self._wrap_closure(opt, closure, args, kwargs) if self.armed else None
+            return self._wrap_closure(opt, closure, args, kwargs) if self.armed or self.steps in self.skipped \
+                else None
         if self.steps in self.skipped:
             skip_update([opt])
         if self.armed:
@@ -381,11 +391,17 @@ class StepHooks:
     def _wrap_closure(self, opt, closure, args, kwargs):
         hooks = self
 
+        step, first = self.steps, [True]
+
         def guarded():
             loss = closure()
-            if not hooks.measured:   # the step's own evaluation; the line search's are in the update phase
-                hooks._measure(opt, None)
-                hooks._begin_update(opt)
+            if first[0]:   # the step's own evaluation (watch checks it); the line search's come later
+                first[0] = False
+                if step in hooks.skipped:
+                    skip_update([opt])   # watch dropped this step's gradients here: the optimizer stops
+                if hooks.armed:
+                    hooks._measure(opt, None)
+                    hooks._begin_update(opt)
             return loss
 
         if "closure" in kwargs:
@@ -725,7 +741,9 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
             data = json.loads(Path(e.report).read_text())
         except (OSError, ValueError):
             continue
-        if data.get("origin") is None and data.get("status") != Status.FINITE.value:
+        top = (data.get("findings") or [{}])[0]
+        if data.get("origin") is None and data.get("status") != Status.FINITE.value \
+                and top.get("cause") != Cause.DATA.value:   # a data finding says where it came from
             return e.step
     return None
 

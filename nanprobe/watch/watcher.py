@@ -461,7 +461,7 @@ class Watcher:
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
             findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
-        if origin is None:   # backward- or update-born: the script's own step, instrumented, locates it
+        if origin is None and not data_error:   # born in backward or update: the script's own step locates it
             notes.insert(0, f"not located in-process: {self.at_command(p.step)} re-executes the script with step "
                             f"{p.step} instrumented (forward, backward and update)")
         status = p.status if report.status is Status.FINITE else report.status
