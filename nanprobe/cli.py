@@ -412,8 +412,9 @@ MaxReportsOpt = Annotated[int, typer.Option("--max-reports", metavar="N",
 WatchAtOpt = Annotated[Optional[int], typer.Option(
     "--at", metavar="N", help="Explain optimizer step N (as watch numbers it): re-execute the script, nothing "
                               "checked before step N, step N's forward, backward and update instrumented, then stop "
-                              "it; the same report as nanprobe run. Compared with the watched run's report in --dir "
-                              "(whose Python random/numpy start state it restores). Exit code: the report's.")]
+                              "it; the same report as nanprobe run. Compared with the watched run's record in --dir "
+                              "(its Python random/numpy start state restored, its skipped updates skipped again): "
+                              "a step that differs is reported 'not reproduced'. Exit code: the report's.")]
 ExplainOpt = Annotated[bool, typer.Option(
     "--explain", help="When a bad step is not located in-process (born in backward or in the update), run "
                       "nanprobe watch --at N on it after the script ends (the script runs again up to step N).")]

@@ -27,7 +27,8 @@ SQRT = WATCH / "sqrt_backward.py"
 EPS_ZERO = WATCH / "eps_zero.py"
 CRITERION = WATCH / "criterion.py"
 SQRT_LINE = next(i + 1 for i, text in enumerate(SQRT.read_text().splitlines()) if "torch.sqrt(" in text)
-LOG_LINE = next(i + 1 for i, text in enumerate(CRITERION.read_text().splitlines()) if "counts * torch.log(rate)" in text)
+LOG_LINE = next(i + 1 for i, text in enumerate(CRITERION.read_text().splitlines())
+                if "counts * torch.log(rate)" in text)
 runner = CliRunner()
 
 
@@ -218,3 +219,18 @@ def test_watch_at_counts_gradscaler_skips_as_watch_does(tmp_path):
     assert data["fidelity"]["replayed"]["skipped"] is True   # the scaler skipped it in the watched run too
     assert (data["origin"]["phase"], data["findings"][0]["cause"]) == ("backward", "overflow")
     assert any(n.startswith(f"GradScaler skipped the update of step {step}") for n in data["notes"])
+
+
+def test_watch_at_explains_a_step_where_the_script_raised_on_its_own_check(tmp_path, capsys):
+    """The script stops itself on non-finite gradients (before optimizer.step(): watch never checks that
+    step); --at N still reports the op that made them, from the ops the step ran before the raise."""
+    expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
+    result = watch(["python", str(SQRT), "--check"], dirpath=tmp_path)
+    assert result.error == f"RuntimeError: non-finite gradients at step {expected}" and result.steps == expected
+    capsys.readouterr()
+    at = watch_at(["python", str(SQRT), "--check"], expected, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert (data["step"], data["status"], data["origin"]["phase"], data["origin"]["node"]) == \
+        (expected, "nonfinite", "backward", "SqrtBackward0")
+    assert data["notes"][0].startswith(f"the script raised during step {expected} (RuntimeError: non-finite")
+    assert data["fidelity"]["reproduced"] is None and at.exit_code == 1

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..classify import Evidence, classify
+from ..classify import Evidence, classify, scaler_skip_note
 from ..classify.mechanism import mechanism_findings
 from ..config import Config
 from ..errors import UsageError
@@ -618,7 +618,12 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     reason = first.get("reason")
     what = "; restored at the start: " + ", ".join(restored) if restored else ""
     reached_by = f"nanprobe watch --at {at}: the script re-executed in-process, step {at} instrumented{what}"
-    if not hooks.done:
+    partial = not hooks.done and script_error is not None and hooks.tracker is not None \
+        and bool(hooks.tracker.trace.events)
+    if partial:   # the script raised inside step N after a non-finite value was born (its own NaN check)
+        notes.insert(0, f"the script raised during step {at} ({script_error}): the report is built from the ops "
+                        "it ran before that")
+    if not hooks.done and not partial:
         why = f"the script raised before step {at} ended ({script_error})" if script_error else \
             f"the script ended after {hooks.steps} optimizer step(s), before step {at} ended"
         rows = [f"not reproduced: {why}",
@@ -636,7 +641,9 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     reproduced: bool | None = None
     reasons: list[str] = []
     rtol = 1e-4
-    if expected is not None:
+    if expected is not None and not hooks.measured:
+        notes.append(f"not compared with the watched run: the script did not reach step {at}'s optimizer step")
+    elif expected is not None:
         mismatches = []
         for key in ("loss", "grad_norm"):
             if not _matches(expected.get(key), getattr(hooks, "loss" if key == "loss" else "norm"), rtol):
@@ -684,6 +691,11 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                                      ranges=trace.ranges, prec=prec,
                                      origin_module=main.origin.module if main.origin else None)
     findings = attach(findings, ev, None)
+    skip_note = scaler_skip_note(ev)   # GradScaler's normal skip: the scale overflowed, not the model
+    if skip_note:
+        notes.append(skip_note)
+    elif status is Status.FINITE and (trace.events or any(p.level == "error" for p in data)):
+        status = Status.NONFINITE   # as run: a non-finite value born in the step (masked or not), bad data
     findings = [_relabel_finding(f) for f in findings]
     if findings and any(fx.verified is None for f in findings[:1] for fx in f.fixes):
         notes.append(f"fixes not verified: verifying a fix trains forward with it over a horizon, which needs "
@@ -691,7 +703,7 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                      f"--at {at} to verify them")
     if script_error is None and hooks.scaler_skipped:
         notes.append(f"GradScaler skipped the update of step {at} (non-finite gradients): no update phase ran")
-    origin = origin_of(main.origin, prec.value)
+    origin = None if skip_note else origin_of(main.origin, prec.value)
     if origin is not None and origin.module == LOSS_FN:
         origin = dataclasses.replace(origin, module=OUTSIDE)
     report = Report(command="watch", entry=entry, step=at, status=status, device=describe_device(device),

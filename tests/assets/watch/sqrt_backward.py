@@ -5,11 +5,12 @@ one pair is an item with itself, so that distance is exactly 0: the forward and 
 ``SqrtBackward0`` makes 0 / 0 = NaN in backward (module ``distance``, sample 2). The loss (a contrastive
 loss) is computed in the loop, outside the model.
 
-    python sqrt_backward.py [--bad 4] [--steps 8] [--random] [--marker FILE]
+    python sqrt_backward.py [--bad 4] [--steps 8] [--random] [--marker FILE] [--check]
 
 ``--random``: the bad step is drawn with Python's ``random`` (unseeded) and the inputs get numpy noise
 (unseeded): only a rerun from the same host RNG states reproduces the run. ``--marker FILE``: the pair is
-bad only when FILE does not exist yet (the script creates it): a run that never reproduces.
+bad only when FILE does not exist yet (the script creates it): a run that never reproduces. ``--check``:
+the script raises on non-finite gradients (its own check, before ``optimizer.step()``).
 """
 
 import argparse
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--random", action="store_true")
     parser.add_argument("--marker", default=None)
+    parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     bad = random.randrange(2, args.steps - 1) if args.random else args.bad
@@ -65,6 +67,8 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        if args.check and not grads_ok:
+            raise RuntimeError(f"non-finite gradients at step {step}")
         opt.step()
         print(f"step {step} loss {loss.item():.4f} grads {'ok' if grads_ok else 'nan'}")
 
