@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 from nanprobe.cli import app
 from nanprobe.watch import watch
-from nanprobe.watch.at import RUN_SUFFIX, watch_at
+from nanprobe.watch.at import watch_at
+from nanprobe.watch.record import RUN_SUFFIX
 
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 SQRT = WATCH / "sqrt_backward.py"

@@ -27,7 +27,7 @@ from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
 from ..updates import update_finding, update_forensics
-from .at import at_command, record_json, write_run_record
+from .record import at_command, record_json, write_run_record
 from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
 
