@@ -129,7 +129,7 @@ def test_watch_at_locates_a_nan_born_in_a_criterion_module_outside_the_model(tmp
     report = at.report.to_json()
     origin, top = report["origin"], report["findings"][0]
     assert (report["step"], origin["phase"], origin["module"], origin["op"]) == \
-        (expected, "forward", "(loss outside the model)", "aten.log.default")
+        (expected, "forward", "(loss outside the model: PoissonNLL)", "aten.log.default")
     assert origin["source"].endswith(f"criterion.py:{LOG_LINE}") and origin["samples"]
     assert (top["cause"], top["phase"]) == ("log", "forward")
     assert report["fidelity"]["reproduced"] is True

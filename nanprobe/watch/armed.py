@@ -13,7 +13,7 @@ import torch
 
 from ..hooked.events import current_lr, skip_update, total_norm
 from ..hooked.guard import _f32
-from ..instrument import OriginTracker, _anomaly_source
+from ..instrument import LOSS_FN, OriginTracker, _anomaly_source
 from ..precision import Precision
 from ..report import Phase
 from ..sharding import weights_finite
@@ -26,19 +26,38 @@ class Done(BaseException):
     """Step N is over: stop the script (a BaseException: the script's ``except Exception`` lets it pass)."""
 
 
+OUTSIDE = "(loss outside the model)"
+
+
 class _LiveTracker(OriginTracker):
     """The tracker over the script's own step: a backward origin gets its forward line from anomaly mode's
-    node metadata at once (``run`` finds it in one more rerun; this step cannot be rerun)."""
+    node metadata at once (``run`` finds it in one more rerun; this step cannot be rerun); a forward op in a
+    module the loop calls outside the model (a criterion) is named by that module's class."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.outside: list[str] = []   # the modules outside the model being called (outermost first)
 
     def _check_outputs(self, *args: Any) -> None:
         n = len(self.trace.events)
+        had = self.trace.entered
         super()._check_outputs(*args)
-        if len(self.trace.events) > n:
-            e = self.trace.events[-1]
+        new = self.trace.events[n:] + ([self.trace.entered] if self.trace.entered is not had else [])
+        for e in new:
             if e.phase is Phase.BACKWARD and e.source is None:
                 node = torch._C._current_autograd_node()
                 if node is not None:
                     e.source, e.code = _anomaly_source(node)
+            if e.phase is Phase.FORWARD and e.module == LOSS_FN and self.outside:
+                e.module = f"{OUTSIDE[:-1]}: {self.outside[0]})"
+
+    def outside_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self.phase is Phase.FORWARD and id(module) not in self.names:
+            self.outside.append(type(module).__name__)
+
+    def outside_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if self.phase is Phase.FORWARD and id(module) not in self.names and self.outside:
+            self.outside.pop()
 
 
 class StepHooks:
@@ -70,6 +89,7 @@ class StepHooks:
         self._patches: list[Patch] = []
         self._hooks: list[Any] = []
         self._arm_hook: Any = None
+        self._outside_hooks: list[Any] = []
         self._anomaly: Any = None
 
     @property
@@ -148,11 +168,17 @@ class StepHooks:
         self.tracker.__enter__()
         self.tracker.set_phase(Phase.FORWARD)
         self.tracker._pre_hook(root, args)   # this call: the tracker's own hook came after it started
+        mm = torch.nn.modules.module
+        self._outside_hooks = [mm.register_module_forward_pre_hook(self.tracker.outside_pre),
+                               mm.register_module_forward_hook(self.tracker.outside_post, always_call=True)]
 
     def _disarm(self) -> None:
         if self._arm_hook is not None:
             self._arm_hook.remove()
             self._arm_hook = None
+        for h in self._outside_hooks:
+            h.remove()
+        self._outside_hooks = []
         if self.tracker is not None and self.tracker._modes:
             self.tracker.__exit__(None, None, None)
         if self._anomaly is not None:
@@ -319,4 +345,4 @@ def _batch_size(args: tuple) -> int | None:
     return None
 
 
-__all__ = ["StepHooks", "Done"]
+__all__ = ["StepHooks", "Done", "OUTSIDE"]

@@ -49,11 +49,8 @@ from ..instrument import LOSS_FN
 from ..precision import describe_device
 from ..replay import Reached, scheduler_info
 from ..report import Cause, Finding, Fidelity, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps
-from .armed import Done, StepHooks
+from .armed import OUTSIDE, Done, StepHooks
 from .record import DEFAULT_DIR, at_command, find_run, restore_start_state
-
-OUTSIDE = "(loss outside the model)"
-
 
 # -- the result ------------------------------------------------------------------------------------------
 
