@@ -124,7 +124,10 @@ def test_watch_at_locates_a_nan_born_in_the_optimizer_update(tmp_path, flag):
 def test_watch_at_locates_a_nan_born_in_a_criterion_module_outside_the_model(tmp_path, capsys):
     expected = _first(_plain(CRITERION), r"step (\d+) loss nan")
     capsys.readouterr()
-    watch(["python", str(CRITERION)], dirpath=tmp_path)
+    result = watch(["python", str(CRITERION)], dirpath=tmp_path)
+    first = _json(result.events[0].report)   # watch alone: the op from the autograd graph, no source line
+    assert first["origin"]["module"] == "(loss outside the model)" and first["origin"]["source"] is None
+    assert any(f"nanprobe watch --at {expected} --dir {tmp_path} -- python {CRITERION}" in n for n in first["notes"])
     at = watch_at(["python", str(CRITERION)], expected, dirpath=tmp_path)
     report = at.report.to_json()
     origin, top = report["origin"], report["findings"][0]

@@ -458,6 +458,8 @@ class Watcher:
             findings.insert(0, outside[0])
             origin = outside[1]
             notes = [n for n in notes if not n.startswith("the loss is computed outside")]
+            notes.append(f"the op's source line, values and samples: {self.at_command(p.step)} re-executes the "
+                         f"script with step {p.step} instrumented")
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
             findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
