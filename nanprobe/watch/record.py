@@ -29,7 +29,7 @@ DEFAULT_DIR = "nanprobe-reports"
 def start_state() -> dict[str, Any]:
     """The host RNG states a script starts from (taken by ``watch`` before the script runs): JSON-able."""
     state: dict[str, Any] = {"python_random": _jsonable(random.getstate()),
-                             "torch": torch.get_rng_state().tolist(),
+                             "torch": torch.get_rng_state().tolist(), "threads": torch.get_num_threads(),
                              "hash_randomization": bool(sys.flags.hash_randomization),
                              "pythonhashseed": os.environ.get("PYTHONHASHSEED")}
     try:
@@ -58,6 +58,10 @@ def restore_start_state(state: dict[str, Any]) -> list[str]:
     if isinstance(t, list) and t:
         torch.set_rng_state(torch.tensor(t, dtype=torch.uint8))
         done.append("torch")
+    threads = state.get("threads")
+    if isinstance(threads, int) and threads > 0 and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)   # bitwise reruns need the same intra-op thread count
+        done.append(f"torch threads ({threads})")
     npst = state.get("numpy")
     if isinstance(npst, list) and len(npst) == 5:
         import numpy as np
