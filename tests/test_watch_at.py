@@ -162,7 +162,7 @@ def test_watch_at_restores_python_random_and_numpy_of_the_watched_run(tmp_path, 
     assert report["fidelity"]["reproduced"] is True
     assert (report["origin"]["phase"], report["origin"]["module"], report["findings"][0]["cause"]) == \
         ("backward", "distance", "sqrt")
-    assert {"python random", "numpy"} <= set(_json(at.path)["watch"]["python_random_restored"])
+    assert {"python random", "numpy"} <= set(_json(at.path)["watch"]["restored"])
     # without the start state the rerun draws other values: said plainly, never a diagnosis
     for p in tmp_path.glob(f"*{RUN_SUFFIX}"):
         run = json.loads(p.read_text())

@@ -133,6 +133,8 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
                 pass
             except SystemExit:
                 pass
+            except KeyboardInterrupt:
+                raise
             except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
                 traceback.print_exc()
                 script_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
@@ -142,7 +144,7 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
         if hooks.snapshot is not None:
             hooks.snapshot.release()
     data = report.to_json()
-    data["watch"] = {"at": at, "argv": script_argv, "command": list(command), "python_random_restored": restored,
+    data["watch"] = {"at": at, "argv": script_argv, "command": list(command), "restored": restored,
                      "skipped_before": skipped, "steps_reached": hooks.steps}
     path = _write(data, dirpath, at)
     written = None
@@ -224,7 +226,8 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     rec = StepRecord(step=at, loss=hooks.loss, grad_norm=hooks.norm, lr=hooks.lr, update_ratio=None,
                      finite=_status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
                      is Status.FINITE, skipped=hooks.scaler_skipped)
-    got = {"loss": _num(hooks.loss), "grad_norm": _num(hooks.norm), "weights_nonfinite": not hooks.weights_finite}
+    got = {"loss": _num(hooks.loss), "grad_norm": _num(hooks.norm),
+           "weights_nonfinite": None if hooks.weights_finite is None else not hooks.weights_finite}
     reproduced: bool | None = None
     reasons: list[str] = []
     rtol = 1e-4
