@@ -238,3 +238,16 @@ def test_watch_at_explains_a_step_where_the_script_raised_on_its_own_check(tmp_p
         (expected, "nonfinite", "backward", "SqrtBackward0")
     assert data["notes"][0].startswith(f"the script raised during step {expected} (RuntimeError: non-finite")
     assert data["fidelity"]["reproduced"] is None and at.exit_code == 1
+
+
+def test_watch_at_runs_a_compiled_step_eagerly_and_names_modules_without_orig_mod(tmp_path, capsys):
+    expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
+    command = ["python", str(SQRT), "--compile", "aot_eager"]
+    result = watch(command, dirpath=tmp_path)
+    assert result.events[0].step == expected
+    at = watch_at(command, expected, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert (data["origin"]["phase"], data["origin"]["module"], data["origin"]["node"]) == \
+        ("backward", "distance", "SqrtBackward0")
+    assert data["fidelity"]["reproduced"] is True and data["findings"][0]["cause"] == "sqrt"
+    assert any("set_stance('force_eager')" in n and "it reproduces the watched step" in n for n in data["notes"])

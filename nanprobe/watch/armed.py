@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..capsule import compiled_graphs, unwrap
 from ..hooked.events import current_lr, skip_update, total_norm
 from ..hooked.guard import _f32
 from ..instrument import LOSS_FN, OriginTracker, _anomaly_source
@@ -91,6 +92,8 @@ class StepHooks:
         self._arm_hook: Any = None
         self._outside_hooks: list[Any] = []
         self._anomaly: Any = None
+        self._stance: Any = None
+        self.compiled = False                     # the script ran torch.compile'd code before step N
 
     @property
     def armed(self) -> bool:
@@ -149,22 +152,29 @@ class StepHooks:
         return any(id(p) in wanted for p in module.parameters())
 
     def _arm(self, root: torch.nn.Module, args: tuple) -> None:
-        self.root = root
+        self.root = root   # the module called (DDP, torch.compile's wrapper); names come from the one inside
+        model = unwrap(root)
         self.autocast = autocast_dtype(root)
         self.items.append(batch_of(args, {}, self.autocast))
         opt = self.optimizer
-        own = {id(q) for q in root.parameters()}
+        own = {id(q) for q in model.parameters()}
         use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
         precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(self.autocast, Precision.FP32)
-        target = validate({"model": root, "step_fn": ForwardStep(device_of_module(root)), "batches": [],
+        target = validate({"model": model, "step_fn": ForwardStep(device_of_module(model)), "batches": [],
                            "optimizer": opt if use_opt else None, "precision": precision}, "nanprobe watch --at")
         self.loop = Loop(target, "nanprobe watch --at", precision)
         self.snapshot = self.loop.objects.take()   # the state before step N (the corrupted-state rule reads it)
         low = getattr(torch, self.autocast) if self.autocast else next(
-            (p.dtype for p in root.parameters() if p.dtype in (torch.float16, torch.bfloat16)), torch.float16)
-        self.tracker = _LiveTracker(root, [opt] if opt is not None else [], low_dtype=low,
+            (p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)), torch.float16)
+        self.tracker = _LiveTracker(model, [opt] if opt is not None else [], low_dtype=low,
                                     batch_size=_batch_size(args))
         self._anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False)   # each node's forward line
+        self.compiled = compiled_graphs() > 0
+        if self.compiled:   # torch.compile'd code runs eagerly in step N: its ops are checked one by one
+            try:
+                self._stance = torch.compiler.set_stance("force_eager")
+            except Exception:  # noqa: BLE001 - e.g. called inside a compiled region: the ops stay unseen
+                self._stance = None
         self.tracker.__enter__()
         self.tracker.set_phase(Phase.FORWARD)
         self.tracker._pre_hook(root, args)   # this call: the tracker's own hook came after it started
@@ -184,6 +194,9 @@ class StepHooks:
         if self._anomaly is not None:
             self._anomaly.__exit__(None, None, None)
             self._anomaly = None
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
 
     # -- the script's calls --
     def _wrap_backward(self, original):

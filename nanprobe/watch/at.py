@@ -291,6 +291,11 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
         notes.append(f"fixes not verified: verifying a fix trains forward with it over a horizon, which needs "
                      f"your loss_fn; write an ENTRY (see README, 'The entrypoint') and run nanprobe run ENTRY "
                      f"--at {at} to verify them")
+    if hooks.compiled:
+        notes.append(f"the script runs torch.compile'd code: step {at} ran eagerly under --at (torch.compiler."
+                     "set_stance('force_eager')) so that its ops could be checked" + (
+                         "; it reproduces the watched step" if reproduced else
+                         "; compiled and eager numerics may differ" if reproduced is None else ""))
     if script_error is None and hooks.scaler_skipped:
         notes.append(f"GradScaler skipped the update of step {at} (non-finite gradients): no update phase ran")
     origin = None if skip_note else origin_of(main.origin, prec.value)

@@ -5,12 +5,13 @@ one pair is an item with itself, so that distance is exactly 0: the forward and 
 ``SqrtBackward0`` makes 0 / 0 = NaN in backward (module ``distance``, sample 2). The loss (a contrastive
 loss) is computed in the loop, outside the model.
 
-    python sqrt_backward.py [--bad 4] [--steps 8] [--random] [--marker FILE] [--check]
+    python sqrt_backward.py [--bad 4] [--steps 8] [--random] [--marker FILE] [--check] [--compile BACKEND]
 
 ``--random``: the bad step is drawn with Python's ``random`` (unseeded) and the inputs get numpy noise
 (unseeded): only a rerun from the same host RNG states reproduces the run. ``--marker FILE``: the pair is
 bad only when FILE does not exist yet (the script creates it): a run that never reproduces. ``--check``:
-the script raises on non-finite gradients (its own check, before ``optimizer.step()``).
+the script raises on non-finite gradients (its own check, before ``optimizer.step()``). ``--compile``:
+the model is ``torch.compile``'d with that backend.
 """
 
 import argparse
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--random", action="store_true")
     parser.add_argument("--marker", default=None)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--compile", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     bad = random.randrange(2, args.steps - 1) if args.random else args.bad
@@ -54,6 +56,8 @@ def main() -> None:
         else:
             open(args.marker, "w").close()
     model = Siamese()
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(args.steps):
         a, b = torch.randn(6, 6), torch.randn(6, 6)
