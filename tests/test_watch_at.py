@@ -251,3 +251,33 @@ def test_watch_at_runs_a_compiled_step_eagerly_and_names_modules_without_orig_mo
         ("backward", "distance", "SqrtBackward0")
     assert data["fidelity"]["reproduced"] is True and data["findings"][0]["cause"] == "sqrt"
     assert any("set_stance('force_eager')" in n and "it reproduces the watched step" in n for n in data["notes"])
+
+
+FUNCTIONAL = """
+import torch
+torch.manual_seed(0)
+w = torch.randn(4, 1, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+for step in range(5):
+    x = torch.randn(8, 4)
+    if step == 2:
+        x[0, 0] = float("nan")
+    loss = ((x @ w) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_watch_at_says_what_it_cannot_instrument_a_functional_model(tmp_path):
+    """No module holds the parameters: watch does not offer --at, and --at says why it instrumented nothing."""
+    script = tmp_path / "functional.py"
+    script.write_text(FUNCTIONAL)
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    bad = result.events[0]
+    assert bad.step == 2 and "--at" not in bad.headline
+    assert not any("--at" in n for n in _json(bad.report)["notes"])
+    at = watch_at(["python", str(script)], 2, dirpath=tmp_path)
+    assert at.report.origin is None and at.report.notes[0].startswith(
+        "not instrumented: no module holding the optimizer's parameters was called with gradients enabled in step 2")
+    assert at.exit_code == 1   # the watched run's step 2 was bad

@@ -314,6 +314,10 @@ class StepHooks:
             self._disarm()
             self.weights_finite = weights_finite(self.root)
             raise Done()
+        if step == self.at:   # step N ended with no module of the optimizer's called: nothing to instrument
+            self.done = True
+            self._disarm()
+            raise Done()
         if self.steps == self.at and self.tracker is None:
             self._wait()   # step N-1's update is over: arm at step N's first forward
 

@@ -220,6 +220,13 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                 "the script takes another path when re-executed (arguments, files it reads or writes, the "
                 "time, unseeded generators other than Python random/numpy/torch, its data order)"]
         return _not_reproduced(at, entry, first_status, rows, notes, reached_by, device=None), False
+    if hooks.tracker is None:   # a functional model (parameters used without a module call)
+        row = (f"not instrumented: no module holding the optimizer's parameters was called with gradients enabled "
+               f"in step {at} (a functional model, or parameters used outside modules): --at arms at the model's "
+               "first forward; write an ENTRY with your loss_fn and run nanprobe run ENTRY --at " f"{at}")
+        status = first_status if first_status is not None else Status.FINITE
+        return Report(command="watch", entry=entry, step=at, status=status, device="cpu", precision="fp32",
+                      notes=(row, *notes), reached_by=reached_by), None
     root = hooks.root
     device = device_of(root)
     prec = hooks.loop.precision
@@ -349,8 +356,10 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
         except (OSError, ValueError):
             continue
         top = (data.get("findings") or [{}])[0]
+        # a data finding says where the value came from; --at arms at the root module's forward (a functional
+        # model has none)
         if data.get("origin") is None and data.get("status") != Status.FINITE.value \
-                and top.get("cause") != Cause.DATA.value:   # a data finding says where it came from
+                and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root"):
             return e.step
     return None
 

@@ -191,7 +191,8 @@ class Watcher:
                                  config=self.cfg, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
                                  allowed=POLICIES, on_bad=self._on_bad, adjust=self._adjust,
                                  max_reports=self.max_reports, events=self.events)
-        self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
+        if self.root is not None:   # --at arms at the root module's forward (none: a functional model)
+            self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
@@ -463,7 +464,7 @@ class Watcher:
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
             findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
-        if origin is None and not data_error:   # born in backward or update: the script's own step locates it
+        if origin is None and not data_error and self.root is not None:   # backward/update-born: --at locates it
             notes.insert(0, f"not located in-process: {self.at_command(p.step)} re-executes the script with step "
                             f"{p.step} instrumented (forward, backward and update)")
         status = p.status if report.status is Status.FINITE else report.status
