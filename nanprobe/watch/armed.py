@@ -272,8 +272,9 @@ class StepHooks:
             return None
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if callable(closure):
-            return self._wrap_closure(opt, closure, args, kwargs) if self.armed or self.steps in self.skipped \
-                else None
+            # step N's forward may run inside the closure (Lightning): wrapped before the tracker is armed
+            return self._wrap_closure(opt, closure, args, kwargs) if self.steps == self.at \
+                or self.steps in self.skipped else None
         if self.steps in self.skipped:
             skip_update([opt])
         if self.armed:
