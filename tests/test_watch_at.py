@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import runpy
 import sys
@@ -281,3 +282,19 @@ def test_watch_at_says_what_it_cannot_instrument_a_functional_model(tmp_path):
     assert at.report.origin is None and at.report.notes[0].startswith(
         "not instrumented: no module holding the optimizer's parameters was called with gradients enabled in step 2")
     assert at.exit_code == 1   # the watched run's step 2 was bad
+
+
+def test_watch_at_follows_a_lightning_script_whose_steps_run_in_a_closure(tmp_path, capsys):
+    if os.environ.get("NANPROBE_INTEGRATION_TESTS") == "required":   # CI installs the extras: must run there
+        import lightning  # noqa: F401
+    else:
+        pytest.importorskip("lightning")
+    script = WATCH / "lightning_sqrt.py"
+    expected = _first(_plain(script), r"step (\d+) grads nan")
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    assert result.events[0].step == expected and result.events[0].report
+    at = watch_at(["python", str(script)], expected, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert (data["step"], data["origin"]["phase"], data["origin"]["node"], data["findings"][0]["cause"]) == \
+        (expected, "backward", "SqrtBackward0", "sqrt")
+    assert data["origin"]["module"] == "(loss outside the model)" and data["fidelity"]["reproduced"] is True
