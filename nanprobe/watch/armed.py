@@ -94,6 +94,7 @@ class StepHooks:
         self._anomaly: Any = None
         self._stance: Any = None
         self.compiled = False                     # the script ran torch.compile'd code before step N
+        self.arm_error: Exception | None = None   # instrumenting step N failed (a bug in nanprobe)
 
     @property
     def armed(self) -> bool:
@@ -135,7 +136,13 @@ class StepHooks:
             return
         if self.tracker is None:
             if self._is_root(module):
-                self._arm(module, args)
+                try:
+                    self._arm(module, args)
+                except Exception as exc:   # nanprobe's own failure: never blamed on the script
+                    self.arm_error = exc
+                    self.done = True
+                    self._disarm()
+                    raise Done() from exc
         elif module is self.root and self.tracker.phase is Phase.BACKWARD:   # the next micro-batch
             self._micro += 1
             self.tracker.set_phase(Phase.FORWARD)

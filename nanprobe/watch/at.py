@@ -138,6 +138,11 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
             except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
                 traceback.print_exc()
                 script_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    if hooks.arm_error is not None:
+        if hooks.snapshot is not None:
+            hooks.snapshot.release()
+        raise RuntimeError(f"instrumenting step {at} failed: {type(hooks.arm_error).__name__}: "
+                           f"{hooks.arm_error}") from hooks.arm_error
     try:
         report, reproduced = _report(hooks, at, command, expected, first, cfg, notes, restored, script_error)
     finally:
