@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from nanprobe.cli import app
 from nanprobe.watch import watch
 from nanprobe.watch.at import watch_at
-from nanprobe.watch.record import RUN_SUFFIX
+from nanprobe.watch.record import RUN_SUFFIX, read_run_record
 
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 SQRT = WATCH / "sqrt_backward.py"
@@ -86,7 +86,7 @@ def test_watch_at_locates_a_nan_born_in_backward_that_watch_alone_does_not(tmp_p
     assert (bad.step, first["origin"]) == (expected, None)
     assert command in bad.headline and f"not located in-process: {command}" in first["notes"][0]
     assert first["watch"]["at"]["command"] == command
-    run = _json(first["watch"]["at"]["run_record"])
+    run = read_run_record(Path(first["watch"]["at"]["run_record"]))
     assert run["argv"] == [str(SQRT)] and [b["step"] for b in run["bad_steps"]] == [expected]
     assert run["bad_steps"][0]["record"]["grad_norm"] == "nan" and run["skipped"] == [expected]
 
@@ -166,9 +166,9 @@ def test_watch_at_restores_python_random_and_numpy_of_the_watched_run(tmp_path, 
     assert {"python random", "numpy"} <= set(_json(at.path)["watch"]["restored"])
     # without the start state the rerun draws other values: said plainly, never a diagnosis
     for p in tmp_path.glob(f"*{RUN_SUFFIX}"):
-        run = json.loads(p.read_text())
-        del run["start_state"]
-        p.write_text(json.dumps(run))
+        header, *lines = p.read_text().splitlines()
+        p.write_text("\n".join([json.dumps({k: v for k, v in json.loads(header).items() if k != "start_state"}),
+                                *lines]) + "\n")
     again = watch_at(["python", str(SQRT), "--random"], step, dirpath=tmp_path)
     data = again.report.to_json()
     assert again.reproduced is False and data["origin"] is None

@@ -13,7 +13,7 @@ lines for the backward nodes); then the script is stopped and the trace is class
 
 Determinism. torch's default generator starts from the same seed in every process, Python's ``random``
 and numpy's global generator do not: the first ``watch`` run stores their states at the script's start
-in its run record (JSON, ``<dir>/watch-*.run.json``, written at each bad step, named in its reports) and
+in its run record (JSON lines, ``<dir>/watch-*.run.jsonl``, a line per bad step, named in its reports) and
 ``--at`` restores them. The record (found in ``--dir`` by command) also holds each bad step's loss,
 gradient norm and whether its update broke the weights, and the updates watch skipped: ``--at`` skips
 those again, compares step N with the watched run, and a rerun that differs says "not reproduced"

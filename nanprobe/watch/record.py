@@ -1,5 +1,5 @@
 """The record a watched run leaves for `nanprobe watch --at N`: its command, its start RNG states, the
-updates it skipped and each bad step's numbers (JSON, ``<dir>/watch-*.run.json``, rewritten at each bad
+updates it skipped and each bad step's numbers (JSON lines, ``<dir>/watch-*.run.jsonl``, a line per bad
 step). torch's default generator starts from the same seed in every process; Python's ``random`` and
 numpy's global generator do not, so their states at the script's start are kept (JSON lists: safe to
 load, nothing executed)."""
@@ -20,7 +20,7 @@ import torch
 
 from ..report import StepRecord, _num
 
-RUN_SUFFIX = ".run.json"
+RUN_SUFFIX = ".run.jsonl"
 DEFAULT_DIR = "nanprobe-reports"
 
 
@@ -71,21 +71,39 @@ def restore_start_state(state: dict[str, Any]) -> list[str]:
     return done
 
 
-def write_run_record(dirpath: str | os.PathLike, path: Path | None, data: dict[str, Any]) -> Path | None:
-    """Write (or rewrite, at each bad step) the watched run's record for ``--at``: its command, its start RNG
-    states, the updates it skipped, each bad step's numbers. None when it cannot be written."""
+def write_run_record(dirpath: str | os.PathLike, path: Path | None, header: dict[str, Any],
+                     entry: dict[str, Any]) -> Path | None:
+    """Append one bad step to the watched run's record for ``--at`` (JSON lines: the header first, with the
+    command and the start RNG states; then one line per bad step, with the updates skipped since the last
+    line): O(1) per bad step, whatever the number of bad steps. None when it cannot be written."""
     folder = Path(dirpath)
     try:
         if path is None:
             folder.mkdir(parents=True, exist_ok=True)
             stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
             path = folder / f"watch-{stamp}-{os.getpid()}{RUN_SUFFIX}"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+            with open(path, "x") as fh:
+                fh.write(json.dumps(header) + "\n")
+        with open(path, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
         return path
     except OSError:
         return None
+
+
+def read_run_record(path: Path) -> dict[str, Any] | None:
+    """A run record as one dict: the header's keys, ``bad_steps`` (one entry per line) and ``skipped`` (every
+    update the run skipped). None when it is not one."""
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    if not lines or not all(isinstance(x, dict) for x in lines):
+        return None
+    data = dict(lines[0])
+    data["bad_steps"] = lines[1:]
+    data["skipped"] = sorted({int(s) for e in lines[1:] for s in e.get("skipped", []) if isinstance(s, int)})
+    return data
 
 
 def at_command(step: int, argv: Sequence[str], dirpath: str | os.PathLike | None) -> str:
@@ -118,11 +136,8 @@ def find_run(dirpath: str | os.PathLike, step: int, script_argv: Sequence[str], 
         return None
     fallback = None
     for path in sorted(folder.glob(f"*{RUN_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict) or not (_same_argv(data.get("argv"), script_argv)
+        data = read_run_record(path)
+        if data is None or not (_same_argv(data.get("argv"), script_argv)
                                               or command and data.get("command") == list(command)):
             continue
         entry = next((b for b in data.get("bad_steps", []) if isinstance(b, dict) and b.get("step") == step), None)
@@ -132,5 +147,6 @@ def find_run(dirpath: str | os.PathLike, step: int, script_argv: Sequence[str], 
     return fallback
 
 
-__all__ = ["start_state", "restore_start_state", "write_run_record", "at_command", "record_json", "find_run",
+__all__ = ["start_state", "restore_start_state", "write_run_record", "read_run_record", "at_command", "record_json",
+           "find_run",
            "RUN_SUFFIX", "DEFAULT_DIR"]

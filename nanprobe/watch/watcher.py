@@ -66,7 +66,7 @@ class Watcher:
         self.argv = list(argv) if argv is not None else None   # the watched command (python train.py ARGS)
         self.start = start                        # the script's start RNG states (written with the first report)
         self._run_path = None                     # its record for `watch --at` (nanprobe.watch.at)
-        self._bad_steps: list[dict[str, Any]] = []
+        self._skipped_written = 0                 # updates skipped already written to it
         self.skipped: list[int] = []              # steps whose update the guard skipped (watch --at repeats it)
         self.max_reports = max_reports
         self.policy = policy
@@ -391,18 +391,18 @@ class Watcher:
         return at_command(step, self.argv or ["python", *sys.argv], self.dirpath)
 
     def _at_record(self, p: Pending) -> dict[str, Any]:
-        """Note the bad step in the run's record (rewritten at each bad step): what ``--at`` restores and
-        compares with. Returns what the report says of it."""
+        """Note the bad step in the run's record (a line per bad step): what ``--at`` restores and compares
+        with. Returns what the report says of it."""
         g = self.guard
         record = p.record
         if p.report is not None:   # update-born: the step's own (good) check, not the later one that saw it
             record = next((h for h in g.history if h.step == p.step and h.finite), None)
-        self._bad_steps.append({"step": p.step, "status": p.status.value, "reason": p.reason,
-                                "record": record_json(record, weights_nonfinite=p.report is not None or p.corrupt),
-                                "history": [h.to_json() for h in p.history[-8:] if h.step < p.step]})
+        skipped, self._skipped_written = self.skipped[self._skipped_written:], len(self.skipped)
         path = write_run_record(self.dirpath, self._run_path, {
-            "argv": list(sys.argv), "command": self.argv, "start_state": self.start,
-            "skipped": list(self.skipped), "bad_steps": self._bad_steps})
+            "argv": list(sys.argv), "command": self.argv, "start_state": self.start}, {
+            "step": p.step, "status": p.status.value, "reason": p.reason, "skipped": skipped,
+            "record": record_json(record, weights_nonfinite=p.report is not None or p.corrupt),
+            "history": [h.to_json() for h in p.history[-8:] if h.step < p.step]})
         self._run_path = path or self._run_path
         return {"command": self.at_command(p.step), "run_record": str(path) if path is not None else None}
 
