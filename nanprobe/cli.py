@@ -409,15 +409,28 @@ EntryOpt = Annotated[Optional[str], typer.Option("--entry", metavar="ENTRY",
                                                  help="The ENTRY for the replay command (train.py:target).")]
 MaxReportsOpt = Annotated[int, typer.Option("--max-reports", metavar="N",
                                             help="Bad steps diagnosed in-process (later ones: capsule and a line).")]
+WatchAtOpt = Annotated[Optional[int], typer.Option(
+    "--at", metavar="N", help="Explain optimizer step N (as watch numbers it): re-execute the script, nothing "
+                              "checked before step N, step N's forward, backward and update instrumented, then stop "
+                              "it; the same report as nanprobe run. Compared with the watched run's record in --dir "
+                              "(its Python random/numpy start state restored, its skipped updates skipped again): "
+                              "a step that differs is reported 'not reproduced'. Exit code: the report's.")]
+ExplainOpt = Annotated[bool, typer.Option(
+    "--explain", help="When a bad step is not located in-process (born in backward or in the update), run "
+                      "nanprobe watch --at N on it after the script ends (the script runs again up to step N).")]
 
 
 @app.command("watch")
 @handles_errors
 def watch_cmd(command: CommandArg = None, json_out: JsonOpt = None, policy: WatchPolicyOpt = "skip",
               dirpath: DirOpt = Path("nanprobe-reports"), entry: EntryOpt = None, max_reports: MaxReportsOpt = 1,
-              config: ConfigOpt = None, debug: DebugOpt = False) -> None:
+              config: ConfigOpt = None, debug: DebugOpt = False, at: WatchAtOpt = None,
+              explain: ExplainOpt = False) -> None:
     """Run an unmodified script under the guard (global hooks); diagnose its first bad step in-process."""
     import logging
+
+    if at is not None:
+        _watch_at(command or [], at, dirpath, json_out, config)
 
     from .watch import watch
     cfg = config_from(config)
@@ -434,6 +447,21 @@ def watch_cmd(command: CommandArg = None, json_out: JsonOpt = None, policy: Watc
         log.propagate = True
     if result.error and result.events and result.events[-1].action == "raised":
         print(result.error, file=sys.stderr)
+    print(result.summary(), file=sys.stderr)
+    if explain:
+        from .watch.at import explain as explain_steps
+        line, _ = explain_steps(result.events, command or [], dirpath=dirpath, config=config)
+        if line:
+            print(line, file=sys.stderr)
+    raise typer.Exit(result.exit_code)
+
+
+def _watch_at(command: list[str], at: int, dirpath: Path, json_out: str | None, config: Path | None) -> None:
+    """``nanprobe watch --at N``: the report of step N rendered after the script's output; its exit code."""
+    from .render import render_report
+    from .watch.at import watch_at
+    result = watch_at(command, at, dirpath=dirpath, json_out=json_out, config=config_from(config))
+    render_report(result.report, console())
     print(result.summary(), file=sys.stderr)
     raise typer.Exit(result.exit_code)
 

@@ -140,6 +140,8 @@ class HookedGuard:
         self._buffers = [b for m in model.modules() for name, b in m._buffers.items()
                          if b is not None and name not in m._non_persistent_buffers_set]
         self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+        # what the log line says of a bad step the diagnosis did not locate (step -> text; watch offers --at N)
+        self.unlocated: Callable[[int], str] | None = None
         self.monitor = live_monitor(model, self.cfg, None)   # the precursor monitor; its one early warning:
         self.warnings: list[dict[str, Any]] = []
 
@@ -510,7 +512,7 @@ class HookedGuard:
         action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
         command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else \
             f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None
-        headline = _headline(report, p)
+        headline = _headline(report, p, self.unlocated)
         path = None
         if report is not None:
             path = self._write_report(report, p, action, command, extra)
@@ -595,7 +597,7 @@ def _f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def _headline(report: Report | None, p: Pending) -> str:
+def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str] | None = None) -> str:
     from ..smoke import headline
 
     if report is None:
@@ -606,7 +608,8 @@ def _headline(report: Report | None, p: Pending) -> str:
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
         text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"
     elif report.origin is None and report.top is None:   # nothing located or classified: what the check saw
-        text = f"step {p.step}: {p.reason} (not located in-process: replay the capsule)"
+        hint = unlocated(p.step) if unlocated is not None else "not located in-process: replay the capsule"
+        text = f"step {p.step}: {p.reason} ({hint})"
     return text
 
 

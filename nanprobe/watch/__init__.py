@@ -30,6 +30,10 @@ by skipping: that raises into the script (as policy ``raise`` does).
 
 The root module carries two hooks; copies and pickles of it (``copy.deepcopy``, ``AveragedModel``,
 ``torch.save(model)``) carry inert stdlib stand-ins. A sharded (FSDP2) model is not rerun in-process.
+
+A bad step whose origin the in-process diagnosis does not locate (born in backward or in the update) is
+explained by ``nanprobe watch --at N -- python train.py ARGS`` (:mod:`nanprobe.watch.at`): the script
+re-executed with step N instrumented, compared with the run record the watched run left in ``dirpath``.
 """
 
 from .forward import ForwardStep, find_loss

@@ -126,7 +126,9 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
     if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
         raise UsageError(f"--max-reports {max_reports!r}", "nanprobe watch",
                          "Give the number of bad steps to diagnose in-process (0: none, only capsules)")
-    watcher = Watcher(config=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports)
+    from .record import start_state
+    watcher = Watcher(config=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports,
+                      argv=command, start=start_state())
     code = 0
     error = None
     with _script_environment(kind, target, args):

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..state import capture_rng
 from ..step import Patch
 from ..target import Target, validate
 from ..updates import update_finding, update_forensics
+from .record import at_command, record_json, write_run_record
 from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
 
@@ -59,8 +61,13 @@ class Watcher:
     """Global hooks and scoped patches that guard the script's training (see the module docstring)."""
 
     def __init__(self, *, config: Config, policy: str, dirpath: str | os.PathLike, entry: str | None,
-                 max_reports: int = 1):
+                 max_reports: int = 1, argv: Sequence[str] | None = None, start: dict[str, Any] | None = None):
         self.cfg = config
+        self.argv = list(argv) if argv is not None else None   # the watched command (python train.py ARGS)
+        self.start = start                        # the script's start RNG states (written with the first report)
+        self._run_path = None                     # its record for `watch --at` (nanprobe.watch.at)
+        self._skipped_written = 0                 # updates skipped already written to it
+        self.skipped: list[int] = []              # steps whose update the guard skipped (watch --at repeats it)
         self.max_reports = max_reports
         self.policy = policy
         self.dirpath = dirpath
@@ -184,6 +191,8 @@ class Watcher:
                                  config=self.cfg, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
                                  allowed=POLICIES, on_bad=self._on_bad, adjust=self._adjust,
                                  max_reports=self.max_reports, events=self.events)
+        if self.root is not None:   # --at arms at the root module's forward (none: a functional model)
+            self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
@@ -342,6 +351,7 @@ class Watcher:
         if g.check(self.steps, [opt], norm=norm, scaler=scaler, position=position,
                    max_grad_norm=max_norm):
             skip_update([opt], scaler)
+            self.skipped.append(self.steps)
         if g.pending is not None and g.pending.step == self.steps:
             self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
 
@@ -373,7 +383,28 @@ class Watcher:
                                         grad_norm=None)
         p.extra["watch_rerun"] = {"loss_in_forward": not missing}
         g.conclude(extra={"root": type(self.root).__name__ if self.root is not None else None,
-                          "argv": list(sys.argv)})
+                          "argv": list(sys.argv), "at": self._at_record(p)})
+
+    # -- what `nanprobe watch --at N` needs from this run (see nanprobe.watch.at) --
+    def at_command(self, step: int) -> str:
+        """The command that re-executes the script with step ``step`` instrumented."""
+        return at_command(step, self.argv or ["python", *sys.argv], self.dirpath)
+
+    def _at_record(self, p: Pending) -> dict[str, Any]:
+        """Note the bad step in the run's record (a line per bad step): what ``--at`` restores and compares
+        with. Returns what the report says of it."""
+        g = self.guard
+        record = p.record
+        if p.report is not None:   # update-born: the step's own (good) check, not the later one that saw it
+            record = next((h for h in g.history if h.step == p.step and h.finite), None)
+        skipped, self._skipped_written = self.skipped[self._skipped_written:], len(self.skipped)
+        path = write_run_record(self.dirpath, self._run_path, {
+            "argv": list(sys.argv), "command": self.argv, "start_state": self.start}, {
+            "step": p.step, "status": p.status.value, "reason": p.reason, "skipped": skipped,
+            "record": record_json(record, weights_nonfinite=p.report is not None or p.corrupt),
+            "history": [h.to_json() for h in p.history[-8:] if h.step < p.step]})
+        self._run_path = path or self._run_path
+        return {"command": self.at_command(p.step), "run_record": str(path) if path is not None else None}
 
     def finish_at_exit(self) -> None:
         """The script ended with a caught bad step not yet diagnosed (its update was the GradScaler's to skip)."""
@@ -428,9 +459,14 @@ class Watcher:
             findings.insert(0, outside[0])
             origin = outside[1]
             notes = [n for n in notes if not n.startswith("the loss is computed outside")]
+            notes.append(f"the op's source line, values and samples: {self.at_command(p.step)} re-executes the "
+                         f"script with step {p.step} instrumented")
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
             findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
+        if origin is None and not data_error and self.root is not None:   # backward/update-born: --at locates it
+            notes.insert(0, f"not located in-process: {self.at_command(p.step)} re-executes the script with step "
+                            f"{p.step} instrumented (forward, backward and update)")
         status = p.status if report.status is Status.FINITE else report.status
         return dataclasses.replace(report, notes=tuple(notes), findings=tuple(findings), status=status, origin=origin)
 

@@ -1,0 +1,404 @@
+"""`nanprobe watch --at N -- python train.py ARGS`: re-execute the unmodified script and explain its step N.
+
+The in-process diagnosis of ``watch`` reruns the root module's forward only: a NaN born in backward (the
+gradient of ``sqrt`` at 0) or in the optimizer update is caught at the right step but not located. This
+module re-executes the same script in this process (``runpy``, as ``watch`` does) with the step counting
+of ``watch`` (the guarded optimizer's steps 0, 1, ...; a GradScaler skip is a step) and nothing checked
+before step N (a Python call per optimizer step). From the first forward of the root module in step N (the
+first module called with gradients enabled once step N-1's update is over) to the end of step N's optimizer
+update, the run's own ops go through the instrumentation ``nanprobe run`` uses
+(:class:`nanprobe.instrument.OriginTracker`, forward / backward / update phases, anomaly mode's forward
+lines for the backward nodes); then the script is stopped and the trace is classified with the same
+``classify`` and ``fixes`` code into the same JSON report.
+
+Determinism. torch's default generator starts from the same seed in every process, Python's ``random``
+and numpy's global generator do not: the first ``watch`` run stores their states at the script's start
+in its run record (JSON lines, ``<dir>/watch-*.run.jsonl``, a line per bad step, named in its reports) and
+``--at`` restores them. The record (found in ``--dir`` by command) also holds each bad step's loss,
+gradient norm and whether its update broke the weights, and the updates watch skipped: ``--at`` skips
+those again, compares step N with the watched run, and a rerun that differs says "not reproduced"
+instead of a diagnosis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import runpy
+import shlex
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..classify import Evidence, classify, scaler_skip_note
+from ..classify.mechanism import mechanism_findings
+from ..config import Config
+from ..errors import UsageError
+from ..feed import Recorded
+from ..fixes import attach
+from ..hooked import resolve_config
+from ..instrument import LOSS_FN
+from ..precision import describe_device
+from ..replay import Reached, scheduler_info
+from ..report import Cause, Finding, Fidelity, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps
+from .armed import OUTSIDE, Done, StepHooks
+from .record import DEFAULT_DIR, at_command, find_run, restore_start_state
+
+# -- the result ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AtResult:
+    """What ``nanprobe watch --at N`` did: the report of step N, where it went, how the script ended."""
+
+    report: Report
+    path: Path | None              # the JSON report written in --dir
+    json: str | None = None        # --json OUT
+    steps: int = 0                 # optimizer steps the rerun reached
+    reproduced: bool | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return self.report.exit_code
+
+    def summary(self) -> str:
+        r = self.report
+        where = f"; report: {self.path}" if self.path else ""
+        if self.reproduced is False:
+            return f"nanprobe watch --at {r.step}: not reproduced{where}"
+        o = r.origin
+        if o is None:
+            return f"nanprobe watch --at {r.step}: {r.status.value}, no origin located{where}"
+        top = f", cause {r.top.cause.value}" if r.top is not None else ""
+        return (f"nanprobe watch --at {r.step}: origin in {o.phase.value}, module {o.module or '(root)'!s}, "
+                f"{o.node or o.op}{' at ' + o.source if o.source else ''}{top}{where}")
+
+
+def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DEFAULT_DIR,
+             json_out: str | os.PathLike | None = None, config: Config | None = None) -> AtResult:
+    """Re-execute ``python train.py ARGS`` in this process and explain its optimizer step ``at``
+    (see the module docstring). The script's output goes where it would; it is stopped after step ``at``."""
+    from .run import _script_environment, parse_command
+    if isinstance(at, bool) or not isinstance(at, int) or at < 0:
+        raise UsageError(f"--at {at!r}", "nanprobe watch", "Give the optimizer step to explain (0, 1, ...), "
+                                                           "as watch's log line numbers it")
+    kind, target, args = parse_command(command)
+    cfg = resolve_config(config, "nanprobe watch")
+    if json_out is not None and str(json_out) == "-":
+        raise UsageError("--json - would mix the report with the script's output", "--json",
+                         "Give a file: --json report.json")
+    script_argv = [target, *args]
+    found = find_run(dirpath, at, script_argv, command)
+    notes: list[str] = []
+    expected: dict[str, Any] | None = None
+    skipped: list[int] = []
+    first: dict[str, Any] = {}
+    restored: list[str] = []
+    if found is None:
+        notes.append(f"no record of a watched run of this command in {dirpath}: the rerun is not compared with "
+                     "the watched step, and Python random/numpy start as in any fresh process (run nanprobe watch "
+                     "first, with the same --dir)")
+    else:
+        run_path, run, entry_ = found
+        skipped = [int(s) for s in run.get("skipped", []) if int(s) < at]
+        state = run.get("start_state")
+        if isinstance(state, dict):
+            restored = restore_start_state(state)
+        else:
+            notes.append(f"the watched run's record {run_path} holds no start state: Python random/numpy start as "
+                         "in any fresh process")
+        if entry_ is None:
+            notes.append(f"the watched run ({run_path}) saw no bad step {at}: the rerun is not compared with it")
+        else:
+            expected = entry_.get("record")
+            first = entry_
+            notes.append(f"compared with the watched run's record {run_path}")
+    hooks = StepHooks(at, skipped)
+    script_error = None
+    with _script_environment(kind, target, args):
+        with hooks:
+            try:
+                if kind == "script":
+                    runpy.run_path(target, run_name="__main__")
+                else:
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+            except Done:
+                pass
+            except SystemExit:
+                pass
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
+                traceback.print_exc()
+                script_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    if hooks.arm_error is not None:
+        if hooks.snapshot is not None:
+            hooks.snapshot.release()
+        raise RuntimeError(f"instrumenting step {at} failed: {type(hooks.arm_error).__name__}: "
+                           f"{hooks.arm_error}") from hooks.arm_error
+    try:
+        report, reproduced = _report(hooks, at, command, expected, first, cfg, notes, restored, script_error)
+    finally:
+        if hooks.snapshot is not None:
+            hooks.snapshot.release()
+    data = report.to_json()
+    data["watch"] = {"at": at, "argv": script_argv, "command": list(command), "restored": restored,
+                     "skipped_before": skipped, "steps_reached": hooks.steps}
+    path = _write(data, dirpath, at)
+    written = None
+    if json_out is not None:
+        Path(json_out).write_text(dumps(data) + "\n")
+        written = str(json_out)
+    return AtResult(report=report, path=path, json=written, steps=hooks.steps, reproduced=reproduced)
+
+
+def _write(data: dict[str, Any], dirpath: str | os.PathLike, at: int) -> Path | None:
+    folder = Path(dirpath)
+    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1000):
+            path = folder / f"at-step{at:07d}-{stamp}-{os.getpid()}{'-' + str(attempt) if attempt else ''}.json"
+            try:
+                with open(path, "x") as fh:
+                    fh.write(dumps(data) + "\n")
+                return path
+            except FileExistsError:
+                continue
+    except OSError:
+        return None
+    return None
+
+
+def _kind(x: Any) -> str | float | None:
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return x if x in ("nan", "inf", "-inf") else float(x)
+    x = float(x)
+    return _num(x) if not math.isfinite(x) else x
+
+
+def _matches(expected: Any, got: float | None, rtol: float) -> bool:
+    a, b = _kind(expected), _kind(got)
+    if a is None or b is None:
+        return True   # not measured on one side: nothing to compare
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
+
+
+def _status_of(loss: float | None, norm: float | None, weights_ok: bool | None, skipped: bool) -> Status:
+    finite = (loss is None or math.isfinite(loss)) and (norm is None or math.isfinite(norm) or skipped)
+    return Status.NONFINITE if not finite or weights_ok is False else Status.FINITE
+
+
+def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[str, Any] | None,
+            first: dict[str, Any], cfg: Config, notes: list[str], restored: list[str],
+            script_error: str | None) -> tuple[Report, bool | None]:
+    from ..diagnose import _context, _event_json, autocast_policy, check_data, mark_masked, origin_of
+    from ..precision import device_of
+    from ..rerun import StepTrace
+
+    entry = shlex.join(command)
+    first_status = Status(first["status"]) if first.get("status") in {s.value for s in Status} else None
+    reason = first.get("reason")
+    what = "; restored at the start: " + ", ".join(restored) if restored else ""
+    reached_by = f"nanprobe watch --at {at}: the script re-executed in-process, step {at} instrumented{what}"
+    partial = not hooks.done and script_error is not None and hooks.tracker is not None \
+        and bool(hooks.tracker.trace.events)
+    if partial:   # the script raised inside step N after a non-finite value was born (its own NaN check)
+        notes.insert(0, f"the script raised during step {at} ({script_error}): the report is built from the ops "
+                        "it ran before that")
+    if not hooks.done and not partial:
+        why = f"the script raised before step {at} ended ({script_error})" if script_error else \
+            f"the script ended after {hooks.steps} optimizer step(s), before step {at} ended"
+        rows = [f"not reproduced: {why}",
+                *([f"the watched run saw {reason} at step {at}"] if reason else []),
+                "the script takes another path when re-executed (arguments, files it reads or writes, the "
+                "time, unseeded generators other than Python random/numpy/torch, its data order)"]
+        return _not_reproduced(at, entry, first_status, rows, notes, reached_by, device=None), False
+    if hooks.tracker is None:   # a functional model (parameters used without a module call)
+        row = (f"not instrumented: no module holding the optimizer's parameters was called with gradients enabled "
+               f"in step {at} (a functional model, or parameters used outside modules): --at arms at the model's "
+               "first forward; write an ENTRY with your loss_fn and run nanprobe run ENTRY --at " f"{at}")
+        status = first_status if first_status is not None else Status.FINITE
+        return Report(command="watch", entry=entry, step=at, status=status, device="cpu", precision="fp32",
+                      notes=(row, *notes), reached_by=reached_by), None
+    root = hooks.root
+    device = device_of(root)
+    prec = hooks.loop.precision
+    rec = StepRecord(step=at, loss=hooks.loss, grad_norm=hooks.norm, lr=hooks.lr, update_ratio=None,
+                     finite=_status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
+                     is Status.FINITE, skipped=hooks.scaler_skipped)
+    got = {"loss": _num(hooks.loss), "grad_norm": _num(hooks.norm),
+           "weights_nonfinite": None if hooks.weights_finite is None else not hooks.weights_finite}
+    reproduced: bool | None = None
+    reasons: list[str] = []
+    rtol = 1e-4
+    if expected is not None and not hooks.measured:
+        notes.append(f"not compared with the watched run: the script did not reach step {at}'s optimizer step")
+    elif expected is not None:
+        mismatches = []
+        for key in ("loss", "grad_norm"):
+            if not _matches(expected.get(key), getattr(hooks, "loss" if key == "loss" else "norm"), rtol):
+                mismatches.append(f"{key.replace('_', ' ')} {expected.get(key)} in the watched run, "
+                                  f"{_num(getattr(hooks, 'loss' if key == 'loss' else 'norm'))} now")
+        if expected.get("weights_nonfinite") and hooks.weights_finite:
+            mismatches.append("the watched step's update made the weights non-finite, the rerun's did not")
+        reproduced = not mismatches
+        if mismatches:
+            reasons = mismatches
+    fidelity = Fidelity(reproduced=reproduced, tolerance=f"rtol {rtol:g}", replayed=dict(expected or {}),
+                        reruns=({"rerun": "watch --at (the script's own step, instrumented)", **got,
+                                 "match": reproduced},), reasons=tuple(reasons))
+    if reproduced is False:
+        rows = [f"not reproduced: at step {at} the rerun differs from the watched run: " + "; ".join(reasons),
+                *([f"the watched run saw {reason} at step {at}"] if reason else []),
+                "the script is not deterministic when re-executed: something it reads changed (files, the time, "
+                "arguments) or a generator other than Python random/numpy/torch's default is unseeded (a "
+                "DataLoader's workers' own seeds, torch.Generator() objects, os.urandom, hash order with "
+                "PYTHONHASHSEED unset), or threads/nondeterministic kernels",
+                "what to do: seed everything at the script's start, or write an ENTRY with your loss_fn and run "
+                f"nanprobe run ENTRY --capsule <the watched run's capsule> (the capsule holds step {at}'s exact "
+                "state)"]
+        return _not_reproduced(at, entry, first_status, rows, notes, reached_by, device=device,
+                               fidelity=fidelity), False
+    trace = hooks.tracker.trace
+    main = StepTrace(precision=prec, record=rec, trace=trace)
+    status = _status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
+    if first_status is not None and first_status is not Status.FINITE:
+        status = first_status if status is Status.FINITE or first_status is Status.NONFINITE else status
+    history = [StepRecord(step=h["step"], loss=_float(h.get("loss")), grad_norm=_float(h.get("grad_norm")),
+                          lr=_float(h.get("lr")), update_ratio=_float(h.get("update_ratio")),
+                          finite=bool(h.get("finite", True)), skipped=bool(h.get("skipped", False)))
+               for h in first.get("history", []) if isinstance(h, dict) and isinstance(h.get("step"), int)
+               and h["step"] < at]   # the watched run's last steps before N
+    reached = Reached(step=at, recorded=Recorded(step=at, items=hooks.items, rng_after=[], position=None),
+                      snapshot=hooks.snapshot, loop=hooks.loop, precision=prec, status=status,
+                      reason=reason or (f"step {at} is {status.value}" if status is not Status.FINITE else None),
+                      record=rec, history=history, reached_by=reached_by, **scheduler_info(hooks.loop.target))
+    data = check_data(reached, hooks.loop.target, prec, cfg)
+    mark_masked(main)
+    ev = Evidence(reached=reached, main=main, reference=None, probe=None, others={}, data=data, cfg=cfg.run,
+                  entry=entry)
+    findings, _ = mechanism_findings(classify(ev), trend=None, status=status, step=at, breakaway=None,
+                                     ranges=trace.ranges, prec=prec,
+                                     origin_module=main.origin.module if main.origin else None)
+    findings = attach(findings, ev, None)
+    skip_note = scaler_skip_note(ev)   # GradScaler's normal skip: the scale overflowed, not the model
+    if skip_note:
+        notes.append(skip_note)
+    elif status is Status.FINITE and (trace.events or any(p.level == "error" for p in data)):
+        status = Status.NONFINITE   # as run: a non-finite value born in the step (masked or not), bad data
+    findings = [_relabel_finding(f) for f in findings]
+    if findings and any(fx.verified is None for f in findings[:1] for fx in f.fixes):
+        notes.append(f"fixes not verified: verifying a fix trains forward with it over a horizon, which needs "
+                     f"your loss_fn; write an ENTRY (see README, 'The entrypoint') and run nanprobe run ENTRY "
+                     f"--at {at} to verify them")
+    if hooks.compiled:
+        notes.append(f"the script runs torch.compile'd code: step {at} ran eagerly under --at (torch.compiler."
+                     "set_stance('force_eager')) so that its ops could be checked" + (
+                         "; it reproduces the watched step" if reproduced else
+                         "; compiled and eager numerics may differ" if reproduced is None else ""))
+    if script_error is None and hooks.scaler_skipped:
+        notes.append(f"GradScaler skipped the update of step {at} (non-finite gradients): no update phase ran")
+    origin = None if skip_note else origin_of(main.origin, prec.value)
+    if origin is not None and origin.module == LOSS_FN:
+        origin = dataclasses.replace(origin, module=OUTSIDE)
+    report = Report(command="watch", entry=entry, step=at, status=status, device=describe_device(device),
+                    precision=prec.value, origin=origin, findings=tuple(findings),
+                    precisions={prec.value: PrecisionResult(precision=prec.value, loss=rec.loss,
+                                                            finite=rec.finite and not trace.events,
+                                                            origin=origin, grad_norm=rec.grad_norm)},
+                    context=_context(main, cfg.run.context_modules), history=tuple(history) + (rec,),
+                    notes=tuple(notes), autocast_policy=autocast_policy(device, prec),
+                    reached_by=reached_by, fidelity=fidelity,
+                    extra={"data_problems": [p.to_json() for p in data],
+                           "events": [_event_json(e) for e in trace.events]})
+    return report, reproduced
+
+
+def _float(x: Any) -> float | None:
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _relabel_finding(f: Finding) -> Finding:
+    if f.module != LOSS_FN:
+        return f
+    return dataclasses.replace(f, module=OUTSIDE)
+
+
+def _not_reproduced(at: int, entry: str, first_status: Status | None, rows: list[str], notes: list[str],
+                    reached_by: str, *, device: torch.device | None, fidelity: Fidelity | None = None) -> Report:
+    finding = Finding(cause=Cause.NOT_REPRODUCED, confidence=0.9, phase=Phase.FORWARD, module=None, op=None,
+                      evidence=tuple(rows))
+    status = first_status if first_status is not None and first_status is not Status.FINITE else Status.NONFINITE
+    return Report(command="watch", entry=entry, step=at, status=status,
+                  device=describe_device(device) if device is not None else "cpu", precision="fp32",
+                  findings=(finding,), notes=(rows[0], *notes), reached_by=reached_by, fidelity=fidelity)
+
+
+def unlocated_step(events: Sequence[Any]) -> int | None:
+    """The first bad step of a watched run whose report locates no origin (born in backward or update)."""
+    for e in events:
+        if not e.report:
+            continue
+        try:
+            data = json.loads(Path(e.report).read_text())
+        except (OSError, ValueError):
+            continue
+        top = (data.get("findings") or [{}])[0]
+        # a data finding says where the value came from; --at arms at the root module's forward (a functional
+        # model has none)
+        if data.get("origin") is None and data.get("status") != Status.FINITE.value \
+                and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root"):
+            return e.step
+    return None
+
+
+def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.PathLike = DEFAULT_DIR,
+            config: str | os.PathLike | None = None) -> tuple[str | None, Path | None]:
+    """``watch --explain``: after the watched run, the first bad step it did not locate is explained by
+    ``nanprobe watch --at N`` in a fresh interpreter (the script starts as it did: its start state is
+    restored from --dir). Returns the line for the summary and the --at report (None when nothing to do)."""
+    import subprocess
+    import tempfile
+
+    step = unlocated_step(events)
+    if step is None:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "at.json"
+        argv = [sys.executable, "-m", "nanprobe.cli", "watch", "--at", str(step), "--dir", str(dirpath),
+                "--json", str(out), *(["--config", str(config)] if config is not None else []), "--", *command]
+        done = subprocess.run(argv, check=False)
+        try:
+            data = json.loads(out.read_text())
+        except (OSError, ValueError):
+            return (f"nanprobe watch --explain: step {step} was not located in-process; "
+                    f"{at_command(step, command, dirpath)} failed (exit code {done.returncode})"), None
+    path = max(Path(dirpath).glob(f"at-step{step:07d}-*.json"), key=lambda p: p.stat().st_mtime, default=None)
+    o = data.get("origin")
+    what = "not reproduced" if (data.get("fidelity") or {}).get("reproduced") is False or o is None and any(
+        f.get("cause") == Cause.NOT_REPRODUCED.value for f in data.get("findings", [])) else \
+        (f"origin in {o['phase']}, module {o['module'] or '(root)'}, {o.get('node') or o['op']}" if o else
+         "no origin located")
+    return (f"nanprobe watch --explain: step {step} was not located in-process, so the script was re-executed with "
+            f"step {step} instrumented ({at_command(step, command, dirpath)}): {what}"
+            + (f"; report: {path}" if path else "")), path
+
+
+__all__ = ["watch_at", "explain", "unlocated_step", "AtResult"]

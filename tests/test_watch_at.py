@@ -1,0 +1,300 @@
+"""`nanprobe watch --at N -- python train.py`: the script re-executed with step N instrumented.
+
+Every expected step comes from running the plain script in the same test (or from the watched run itself
+where the script draws it from an unseeded generator), never from a number measured on one machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nanprobe.cli import app
+from nanprobe.watch import watch
+from nanprobe.watch.at import watch_at
+from nanprobe.watch.record import RUN_SUFFIX, read_run_record
+
+WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+SQRT = WATCH / "sqrt_backward.py"
+EPS_ZERO = WATCH / "eps_zero.py"
+CRITERION = WATCH / "criterion.py"
+SQRT_LINE = next(i + 1 for i, text in enumerate(SQRT.read_text().splitlines()) if "torch.sqrt(" in text)
+LOG_LINE = next(i + 1 for i, text in enumerate(CRITERION.read_text().splitlines())
+                if "counts * torch.log(rate)" in text)
+runner = CliRunner()
+
+
+def _plain(script: Path, *args: str) -> str:
+    """The script run as `python script.py ARGS` would (in this process, no nanprobe): its stdout."""
+    out = io.StringIO()
+    argv, path0 = list(sys.argv), sys.path[0]
+    sys.argv, sys.path[0] = [str(script), *args], str(script.parent)
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[0] = argv, path0
+    return out.getvalue()
+
+
+def _first(stdout: str, pattern: str) -> int:
+    return min(int(m.group(1)) for m in re.finditer(pattern, stdout))
+
+
+def _first_nonfinite_update(*args: str) -> int:
+    """The first step after whose optimizer update a weight of the plain script is non-finite."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    seen: list[int] = []
+    steps = iter(range(1000))
+
+    def post(opt, a, kw):
+        step = next(steps)
+        if not seen and not all(torch.isfinite(p).all() for g in opt.param_groups for p in g["params"]):
+            seen.append(step)
+
+    handle = register_optimizer_step_post_hook(post)
+    try:
+        _plain(EPS_ZERO, *args)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def _json(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def test_watch_at_locates_a_nan_born_in_backward_that_watch_alone_does_not(tmp_path, capsys):
+    expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
+    capsys.readouterr()
+    result = watch(["python", str(SQRT)], dirpath=tmp_path)
+    capsys.readouterr()
+    bad = result.events[0]
+    first = _json(bad.report)
+    # watch alone: the right step, no origin; the line and the report name the command that locates it
+    command = f"nanprobe watch --at {expected} --dir {tmp_path} -- python {SQRT}"
+    assert (bad.step, first["origin"]) == (expected, None)
+    assert command in bad.headline and f"not located in-process: {command}" in first["notes"][0]
+    assert first["watch"]["at"]["command"] == command
+    run = read_run_record(Path(first["watch"]["at"]["run_record"]))
+    assert run["argv"] == [str(SQRT)] and [b["step"] for b in run["bad_steps"]] == [expected]
+    assert run["bad_steps"][0]["record"]["grad_norm"] == "nan" and run["skipped"] == [expected]
+
+    at = watch_at(["python", str(SQRT)], expected, dirpath=tmp_path, json_out=tmp_path / "at.json")
+    out = capsys.readouterr().out
+    assert f"step {expected - 1} loss" in out and f"step {expected} loss" not in out   # stopped after step N
+    report = _json(tmp_path / "at.json")
+    assert report == _json(at.path)
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["command"], report["step"], report["status"]) == ("watch", expected, "nonfinite")
+    assert (origin["phase"], origin["module"], origin["node"], origin["kind"]) == \
+        ("backward", "distance", "SqrtBackward0", "nan")
+    assert origin["source"].endswith(f"sqrt_backward.py:{SQRT_LINE}")
+    assert (top["cause"], top["phase"], top["module"]) == ("sqrt", "backward", "distance")
+    assert report["fidelity"]["reproduced"] is True and at.exit_code == 1
+    assert all(f["verified"] is None for f in top["fixes"]) and top["fixes"]
+    assert any(n.startswith("fixes not verified") and f"nanprobe run ENTRY --at {expected}" in n
+               for n in report["notes"])
+
+
+@pytest.mark.parametrize("flag", [(), ("--optimizer-flag", "fused")], ids=["for-loop", "fused"])
+def test_watch_at_locates_a_nan_born_in_the_optimizer_update(tmp_path, flag):
+    expected = _first_nonfinite_update(*flag)
+    result = watch(["python", str(EPS_ZERO), *flag], dirpath=tmp_path)
+    assert result.events[0].step == expected
+    at = watch_at(["python", str(EPS_ZERO), *flag], expected, dirpath=tmp_path)
+    report = at.report.to_json()
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["step"], origin["phase"], origin["module"], origin["parameter"]) == \
+        (expected, "update", "kind", "kind.weight")
+    assert (top["cause"], top["phase"]) == ("div", "update")
+    assert report["fidelity"]["reproduced"] is True
+    assert report["fidelity"]["replayed"]["weights_nonfinite"] is True
+
+
+def test_watch_at_locates_a_nan_born_in_a_criterion_module_outside_the_model(tmp_path, capsys):
+    expected = _first(_plain(CRITERION), r"step (\d+) loss nan")
+    capsys.readouterr()
+    result = watch(["python", str(CRITERION)], dirpath=tmp_path)
+    first = _json(result.events[0].report)   # watch alone: the op from the autograd graph, no source line
+    assert first["origin"]["module"] == "(loss outside the model)" and first["origin"]["source"] is None
+    assert any(f"nanprobe watch --at {expected} --dir {tmp_path} -- python {CRITERION}" in n for n in first["notes"])
+    at = watch_at(["python", str(CRITERION)], expected, dirpath=tmp_path)
+    report = at.report.to_json()
+    origin, top = report["origin"], report["findings"][0]
+    assert (report["step"], origin["phase"], origin["module"], origin["op"]) == \
+        (expected, "forward", "(loss outside the model: PoissonNLL)", "aten.log.default")
+    assert origin["source"].endswith(f"criterion.py:{LOG_LINE}") and origin["samples"]
+    assert (top["cause"], top["phase"]) == ("log", "forward")
+    assert report["fidelity"]["reproduced"] is True
+
+
+def test_watch_at_repeats_the_updates_watch_skipped_before_the_step(tmp_path, capsys):
+    """A later bad step (beyond --max-reports: no report, a line): the updates watch skipped before it are
+    skipped again, so the rerun reaches the same state."""
+    result = watch(["python", str(CRITERION)], dirpath=tmp_path)
+    skipped = [e.step for e in result.events if e.action == "skipped"]
+    last = result.events[-1]
+    assert len(skipped) >= 2 and last.report is None and skipped[0] < last.step
+    at = watch_at(["python", str(CRITERION)], last.step, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert at.reproduced is True and data["fidelity"]["reproduced"] is True and data["step"] == last.step
+    assert data["status"] == last.status and data["origin"] is not None
+    assert _json(at.path)["watch"]["skipped_before"] == [s for s in skipped if s < last.step]
+
+
+def test_watch_at_restores_python_random_and_numpy_of_the_watched_run(tmp_path, capsys):
+    """The bad step and the inputs' noise come from unseeded random/numpy: only their start state repeats it."""
+    result = watch(["python", str(SQRT), "--random"], dirpath=tmp_path)
+    step = _first(capsys.readouterr().out, r"step (\d+) loss \S+ grads nan")   # the watched run's own
+    assert result.events[0].step == step
+    at = watch_at(["python", str(SQRT), "--random"], step, dirpath=tmp_path)
+    report = at.report.to_json()
+    assert report["fidelity"]["reproduced"] is True
+    assert (report["origin"]["phase"], report["origin"]["module"], report["findings"][0]["cause"]) == \
+        ("backward", "distance", "sqrt")
+    assert {"python random", "numpy"} <= set(_json(at.path)["watch"]["restored"])
+    # without the start state the rerun draws other values: said plainly, never a diagnosis
+    for p in tmp_path.glob(f"*{RUN_SUFFIX}"):
+        header, *lines = p.read_text().splitlines()
+        p.write_text("\n".join([json.dumps({k: v for k, v in json.loads(header).items() if k != "start_state"}),
+                                *lines]) + "\n")
+    again = watch_at(["python", str(SQRT), "--random"], step, dirpath=tmp_path)
+    data = again.report.to_json()
+    assert again.reproduced is False and data["origin"] is None
+    assert [f["cause"] for f in data["findings"]] == ["not_reproduced"]
+    assert data["notes"][0].startswith("not reproduced: ")
+    assert any("start state" in n for n in data["notes"])
+
+
+def test_watch_at_says_not_reproduced_when_the_script_does_not_repeat_itself(tmp_path, capsys):
+    marker = tmp_path / "marker"
+    result = watch(["python", str(SQRT), "--marker", str(marker)], dirpath=tmp_path)
+    step = result.events[0].step
+    at = watch_at(["python", str(SQRT), "--marker", str(marker)], step, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert at.reproduced is False and at.exit_code == 1 and data["origin"] is None
+    assert [f["cause"] for f in data["findings"]] == ["not_reproduced"]
+    assert data["notes"][0].startswith(f"not reproduced: at step {step} the rerun differs from the watched run: ")
+    assert "grad norm nan in the watched run" in data["notes"][0]
+    assert data["fidelity"]["reproduced"] is False
+    # a step the script never reaches
+    far = watch_at(["python", str(SQRT)], 50, dirpath=tmp_path / "none")
+    assert far.reproduced is False and far.report.notes[0] == \
+        "not reproduced: the script ended after 8 optimizer step(s), before step 50 ended"
+
+
+def test_watch_cli_at_and_explain(tmp_path):
+    expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
+    reports = tmp_path / "reports"
+    res = runner.invoke(app, ["watch", "--explain", "--dir", str(reports), "--", "python", str(SQRT)])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("nanprobe watch --explain"))
+    assert line.startswith(f"nanprobe watch --explain: step {expected} was not located in-process, so the script "
+                           f"was re-executed with step {expected} instrumented (nanprobe watch --at {expected} "
+                           f"--dir {reports} -- python {SQRT}): origin in backward, module distance, SqrtBackward0")
+    explained = _json(next(reports.glob(f"at-step{expected:07d}-*.json")))
+    assert (explained["origin"]["phase"], explained["findings"][0]["cause"]) == ("backward", "sqrt")
+    res = runner.invoke(app, ["watch", "--at", str(expected), "--dir", str(reports), "--json",
+                              str(tmp_path / "at.json"), "--", "python", str(SQRT)])
+    assert res.exit_code == 1, res.output
+    assert _json(tmp_path / "at.json")["origin"]["node"] == "SqrtBackward0"
+    res = runner.invoke(app, ["watch", "--at", "-1", "--", "python", str(SQRT)])
+    assert res.exit_code == 2
+
+
+def test_watch_at_counts_gradscaler_skips_as_watch_does(tmp_path):
+    """fp16 autocast + GradScaler that skips every step: the step watch names is the step --at instruments."""
+    script = WATCH / "scaler_storm.py"
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    step = result.events[0].step
+    at = watch_at(["python", str(script)], step, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert at.reproduced is True and data["step"] == step and data["precision"] == "fp16"
+    assert data["fidelity"]["replayed"]["skipped"] is True   # the scaler skipped it in the watched run too
+    assert (data["origin"]["phase"], data["findings"][0]["cause"]) == ("backward", "overflow")
+    assert any(n.startswith(f"GradScaler skipped the update of step {step}") for n in data["notes"])
+
+
+def test_watch_at_explains_a_step_where_the_script_raised_on_its_own_check(tmp_path, capsys):
+    """The script stops itself on non-finite gradients (before optimizer.step(): watch never checks that
+    step); --at N still reports the op that made them, from the ops the step ran before the raise."""
+    expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
+    result = watch(["python", str(SQRT), "--check"], dirpath=tmp_path)
+    assert result.error == f"RuntimeError: non-finite gradients at step {expected}" and result.steps == expected
+    capsys.readouterr()
+    at = watch_at(["python", str(SQRT), "--check"], expected, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert (data["step"], data["status"], data["origin"]["phase"], data["origin"]["node"]) == \
+        (expected, "nonfinite", "backward", "SqrtBackward0")
+    assert data["notes"][0].startswith(f"the script raised during step {expected} (RuntimeError: non-finite")
+    assert data["fidelity"]["reproduced"] is None and at.exit_code == 1
+
+
+def test_watch_at_runs_a_compiled_step_eagerly_and_names_modules_without_orig_mod(tmp_path, capsys):
+    expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
+    command = ["python", str(SQRT), "--compile", "aot_eager"]
+    result = watch(command, dirpath=tmp_path)
+    assert result.events[0].step == expected
+    at = watch_at(command, expected, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert (data["origin"]["phase"], data["origin"]["module"], data["origin"]["node"]) == \
+        ("backward", "distance", "SqrtBackward0")
+    assert data["fidelity"]["reproduced"] is True and data["findings"][0]["cause"] == "sqrt"
+    assert any("set_stance('force_eager')" in n and "it reproduces the watched step" in n for n in data["notes"])
+
+
+FUNCTIONAL = """
+import torch
+torch.manual_seed(0)
+w = torch.randn(4, 1, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+for step in range(5):
+    x = torch.randn(8, 4)
+    if step == 2:
+        x[0, 0] = float("nan")
+    loss = ((x @ w) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_watch_at_says_what_it_cannot_instrument_a_functional_model(tmp_path):
+    """No module holds the parameters: watch does not offer --at, and --at says why it instrumented nothing."""
+    script = tmp_path / "functional.py"
+    script.write_text(FUNCTIONAL)
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    bad = result.events[0]
+    assert bad.step == 2 and "--at" not in bad.headline
+    assert not any("--at" in n for n in _json(bad.report)["notes"])
+    at = watch_at(["python", str(script)], 2, dirpath=tmp_path)
+    assert at.report.origin is None and at.report.notes[0].startswith(
+        "not instrumented: no module holding the optimizer's parameters was called with gradients enabled in step 2")
+    assert at.exit_code == 1   # the watched run's step 2 was bad
+
+
+def test_watch_at_follows_a_lightning_script_whose_steps_run_in_a_closure(tmp_path, capsys):
+    if os.environ.get("NANPROBE_INTEGRATION_TESTS") == "required":   # CI installs the extras: must run there
+        import lightning  # noqa: F401
+    else:
+        pytest.importorskip("lightning")
+    script = WATCH / "lightning_sqrt.py"
+    expected = _first(_plain(script), r"step (\d+) grads nan")
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    assert result.events[0].step == expected and result.events[0].report
+    at = watch_at(["python", str(script)], expected, dirpath=tmp_path)
+    data = at.report.to_json()
+    assert (data["step"], data["origin"]["phase"], data["origin"]["node"], data["findings"][0]["cause"]) == \
+        (expected, "backward", "SqrtBackward0", "sqrt")
+    assert data["origin"]["module"] == "(loss outside the model)" and data["fidelity"]["reproduced"] is True
