@@ -1,0 +1,232 @@
+"""The bootstrap every Python child of ``nanprobe watch -- LAUNCHER ...`` inherits (see nanprobe.watch.launch).
+
+``nanprobe watch`` copies this file as ``sitecustomize.py`` into a folder it prepends to ``PYTHONPATH``,
+so every Python interpreter the command starts (torchrun's agent and its ranks, ``accelerate launch``
+and its processes, a shell script's ``python train.py``) runs :func:`boot` at start-up. It needs only
+the standard library until the process trains:
+
+* it chains to the ``sitecustomize`` it shadows (if any) and does nothing else unless
+  ``NANPROBE_WATCH_RUN`` names the run directory;
+* when ``torch`` has been imported, it wraps ``torch.optim.Optimizer.__init__``: the first optimizer the
+  process builds starts a :class:`nanprobe.watch.Watcher` (the same one as the in-process path). A
+  launcher (torchrun's agent, accelerate's CLI) and a DataLoader worker build no optimizer and stay
+  inert; a process forked while a Watcher runs (a DataLoader worker) removes the Watcher's hooks at once;
+* at exit (``atexit``: also after an uncaught exception or ``sys.exit``) it finishes the Watcher and
+  writes the process's row (pid, rank, world size, steps, bad steps, reports, exit) into the run
+  directory. A process that saw no optimizer step writes a row only if it is a rank process
+  (``RANK``/``LOCAL_RANK`` set) or the launched script itself, never if it is a launcher or a
+  multiprocessing child.
+
+Nothing here may raise into the user's program: every step is wrapped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+
+RUN_ENV = "NANPROBE_WATCH_RUN"          # the run directory (rows go there)
+SETTINGS_ENV = "NANPROBE_WATCH"         # JSON: policy, dirpath, max_reports, entry, config, path
+_LAUNCHER_MODULES = ("torch.distributed.", "accelerate.", "deepspeed.")
+
+
+class _State:
+    pid = os.getpid()
+    armed = False          # Optimizer.__init__ is wrapped
+    inert = False          # a child forked from a watched process: nothing at all
+    watcher = None
+    exit_code = None       # sys.exit's code, or 1 after an uncaught exception
+    error = None
+    original_init = None
+
+
+def _chain(here: str) -> None:
+    """Run the ``sitecustomize`` this file shadows (the next one on sys.path), as Python would have."""
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_nanprobe_chained_sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+class _TorchLoader(importlib.abc.Loader):
+    """torch's own loader; once torch's module has run, :func:`_on_torch`."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _on_torch()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _TorchFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: gives torch's spec the loader above, once."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _TorchLoader(spec.loader)
+        return spec
+
+
+def _settings() -> dict:
+    return json.loads(os.environ.get(SETTINGS_ENV) or "{}")
+
+
+def _on_torch() -> None:
+    """torch is imported: wrap Optimizer.__init__ (the first optimizer starts the Watcher), note how the
+    process exits."""
+    if _State.armed or _State.inert:
+        return
+    try:
+        import torch.optim
+        original = torch.optim.Optimizer.__init__
+
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if _State.watcher is None and not _State.inert:
+                torch.optim.Optimizer.__init__ = original   # one call: the rest is the Watcher's
+                _start()
+
+        _State.original_init = original
+        torch.optim.Optimizer.__init__ = __init__
+        _State.armed = True
+        _wrap_exit()
+    except Exception:  # noqa: BLE001 - never break the user's program
+        pass
+
+
+def _start() -> None:
+    """Start the Watcher (same code as ``nanprobe watch -- python train.py``) in this process."""
+    if _in_process_watch():
+        _State.inert = True   # that watch reports this process itself
+        return
+    try:
+        settings = _settings()
+        if settings.get("path") and importlib.util.find_spec("nanprobe") is None:
+            sys.path.append(settings["path"])
+        from nanprobe.watch.launch import start_watcher
+        _State.watcher = start_watcher(settings)
+    except Exception as exc:  # noqa: BLE001 - the user's training goes on, unwatched; the row says why
+        _State.error = f"nanprobe could not start: {type(exc).__name__}: {exc}"
+
+
+def _in_process_watch() -> bool:
+    """A Watcher is installed in this process already (``nanprobe watch -- python train.py`` run in-process
+    under an outer watch): that one guards the steps."""
+    from torch.optim import optimizer
+
+    hooks = getattr(optimizer, "_global_optimizer_pre_hooks", {})
+    return any(type(getattr(h, "__self__", None)).__name__ == "Watcher" for h in list(hooks.values()))
+
+
+def _wrap_exit() -> None:
+    hook, exit_ = sys.excepthook, sys.exit
+
+    def excepthook(kind, value, tb):
+        _State.exit_code = 130 if issubclass(kind, KeyboardInterrupt) else 1
+        line = str(value).splitlines()[0] if str(value) else ""
+        _State.error = f"{kind.__name__}: {line}".rstrip(": ")
+        if kind.__name__ == "Stopped" and kind.__module__.startswith("nanprobe."):
+            # policy raise (or weights already non-finite): one line, as in-process, no traceback
+            _State.error = f"{value.what} ({value.where})" if getattr(value, "where", None) else value.what
+            print(value, file=sys.stderr)
+            return
+        hook(kind, value, tb)
+
+    def exit(code=None):
+        _State.exit_code = 0 if code is None else code if isinstance(code, int) else 1
+        exit_(code)
+
+    sys.excepthook, sys.exit = excepthook, exit
+
+
+def _forked() -> None:
+    """A child forked while a Watcher runs (a DataLoader worker): remove its hooks, write nothing."""
+    if _State.watcher is None:
+        _State.pid = os.getpid()   # forked before training began: it may train itself
+        return
+    _State.inert = True
+    try:
+        _State.watcher.__exit__()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _launched_script() -> bool:
+    """The process runs the user's script (``python train.py``, ``python -m pkg.train``), not a launcher."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return not spec.name.startswith(_LAUNCHER_MODULES)
+    return bool(sys.argv) and sys.argv[0].endswith(".py")   # not "-c", not a launcher's console script
+
+
+def _at_exit() -> None:
+    if _State.inert or os.getpid() != _State.pid or "torch" not in sys.modules:
+        return
+    try:
+        import multiprocessing
+        w = _State.watcher
+        row = None
+        if w is not None:
+            from nanprobe.watch.launch import finish_watcher
+            row = finish_watcher(w)
+        steps = row["steps"] if row else 0
+        rank_process = any(os.environ.get(k) for k in ("RANK", "LOCAL_RANK")) or _launched_script()
+        if not steps and (multiprocessing.parent_process() is not None or not rank_process):
+            return
+        row = row or {"steps": 0, "events": [], "root": None, "notes": []}
+        if row.get("error"):
+            _State.error = _State.error or row["error"]
+        row.update(pid=os.getpid(), argv=list(sys.argv), exit=0 if _State.exit_code is None else _State.exit_code,
+                   error=_State.error, rank=_env_int("RANK", row.get("rank")),
+                   world_size=_env_int("WORLD_SIZE", row.get("world_size")))
+        folder = os.environ[RUN_ENV]
+        tmp = os.path.join(folder, f".process-{os.getpid()}.json")
+        with open(tmp, "w") as fh:
+            json.dump(row, fh)
+        os.replace(tmp, os.path.join(folder, f"process-{os.getpid()}.json"))
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
+def _env_int(name: str, default):
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def boot(here: str) -> None:
+    try:
+        _chain(here)
+    finally:
+        if os.environ.get(RUN_ENV):
+            os.register_at_fork(after_in_child=_forked)
+            atexit.register(_at_exit)
+            if "torch" in sys.modules:
+                _on_torch()
+            else:
+                sys.meta_path.insert(0, _TorchFinder())
+
+
+if __name__ == "sitecustomize":
+    boot(os.path.dirname(os.path.abspath(__file__)))

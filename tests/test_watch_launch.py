@@ -1,0 +1,244 @@
+"""`nanprobe watch -- torchrun ... / accelerate launch ... / bash ...`: the command runs as a subprocess and the
+Python processes it starts are followed (a bootstrap every child interpreter inherits), each rank writing its
+own report, one summary line at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from typer.testing import CliRunner
+
+from nanprobe.cli import app
+from nanprobe.watch import watch
+from nanprobe.watch.launch import follows
+
+WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+DDP = WATCH / "ddp_trainer.py"
+OWN = WATCH / "own_trainer.py"
+BIN = Path(sys.executable).parent
+BAD_STEP, BAD_RANK = 2, 1
+runner = CliRunner()
+
+needs_dist = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:
+    """The environment of a launched run: one thread per rank, ddp_trainer's weights per rank."""
+    return dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path / f"{name}{{rank}}.pt"), **extra)
+
+
+def _setenv(monkeypatch, env: dict[str, str]) -> None:
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(_free_port()), *args]
+
+
+def _weights(tmp_path: Path, name: str) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(tmp_path / f"{name}{rank}.pt") for rank in (0, 1)]
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_follows_launchers_and_keeps_python_scripts_in_process():
+    assert follows(["torchrun", "--nproc-per-node", "2", "train.py"])
+    assert follows(["accelerate", "launch", "train.py"]) and follows(["bash", "run.sh"])
+    assert follows(["python", "-m", "torch.distributed.run", "train.py"])
+    assert follows([sys.executable, "-m", "accelerate.commands.launch", "train.py"])
+    assert not follows(["python", "train.py"]) and not follows(["python3", "-m", "pkg.train"])
+    assert not follows([sys.executable, str(OWN)]) and not follows([])
+
+
+@needs_dist
+def test_watch_cli_follows_torchrun_ranks_and_reports_the_rank_that_saw_the_bad_step(tmp_path):
+    """The CLI (a process of its own) over `python -m torch.distributed.run`: rank 1's loss is NaN at step 2,
+    rank 0 skips the step with it; one report (rank 1's), a capsule per rank, one summary line."""
+    reports = tmp_path / "reports"
+    env = _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK))
+    res = subprocess.run([str(BIN / "nanprobe"), "watch", "--dir", str(reports), "--json", str(tmp_path / "r.json"),
+                          "--", *_torchrun(str(DDP))], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    assert re.fullmatch(r"nanprobe watch: 2 processes \(ranks 0-1\), 5 optimizer steps seen in each, 1 bad step, "
+                        r"1 report written \(first: .*step0000002-rank1-\d+T\d+-\d+\.json\)", lines[-1]), lines[-1]
+    assert any(line.startswith("nanprobe watch: rank 1: step 2: non-finite values born in forward") for line in lines)
+    assert any(line.startswith("nanprobe watch: step 2: another rank saw a non-finite value") for line in lines)
+    # each rank its own capsule; the report is the rank that saw it
+    capsules = sorted(p.name.split("-")[1] for p in reports.glob("step0000002-*.capsule.pt"))
+    assert capsules == ["rank0", "rank1"]
+    [path] = reports.glob("*.json")
+    report = json.loads(path.read_text())
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert (report["command"], report["step"], report["status"]) == ("watch", BAD_STEP, "nonfinite")
+    assert (report["watch"]["rank"], report["watch"]["world_size"], report["watch"]["local"]) == (BAD_RANK, 2, True)
+    assert report["watch"]["reason"] == "loss is nan" and report["watch"]["action"] == "skipped"
+    assert report["origin"]["phase"] == "forward" and report["findings"][0]["cause"] == "log"
+    w0, w1 = _weights(tmp_path, "w")
+    assert _bitwise(w0, w1) and all(torch.isfinite(v).all() for v in w0.values())   # in sync, finite
+
+
+@needs_dist
+def test_watch_under_torchrun_keeps_a_healthy_runs_weights_bitwise(tmp_path, monkeypatch):
+    subprocess.run([str(BIN / "torchrun"), *_torchrun(str(DDP))[3:]], env=_env(tmp_path, "plain"), check=True,
+                   capture_output=True, timeout=120)
+    _setenv(monkeypatch, _env(tmp_path, "watched"))
+    result = watch([str(BIN / "torchrun"), *_torchrun(str(DDP))[3:]], dirpath=tmp_path / "reports")
+    assert result.exit_code == 0 and result.events == () and result.steps == 10
+    rows = result.processes
+    assert [(r.rank, r.world_size, r.steps, r.exit, r.root) for r in rows] == \
+        [(0, 2, 5, 0, "DistributedDataParallel"), (1, 2, 5, 0, "DistributedDataParallel")]
+    assert result.summary() == "nanprobe watch: 2 processes (ranks 0-1), 5 optimizer steps seen in each, " \
+                               "0 bad steps, 0 reports written"
+    assert not (tmp_path / "reports").exists()
+    for plain, watched in zip(_weights(tmp_path, "plain"), _weights(tmp_path, "watched")):
+        assert _bitwise(plain, watched)
+
+
+@needs_dist
+def test_watch_follows_accelerate_launch_processes(tmp_path, monkeypatch):
+    """accelerate launch runs 2 CPU processes through its multi-process launcher (torch.distributed.run) with
+    --multi_gpu; with --cpu it runs one process (several need mpirun), so --multi_gpu it is."""
+    _setenv(monkeypatch, _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK)))
+    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(DDP)]
+    result = watch(cmd, dirpath=tmp_path / "reports", json_out=tmp_path / "r.json")
+    assert result.exit_code == 0
+    assert [(r.rank, r.world_size, r.steps) for r in result.processes] == [(0, 2, 5), (1, 2, 5)]
+    e0, e1 = (r.events for r in result.processes)
+    assert [(e.step, e.rank, e.local, e.action, bool(e.report)) for e in e0 + e1] == \
+        [(BAD_STEP, 0, False, "skipped", False), (BAD_STEP, BAD_RANK, True, "skipped", True)]
+    assert result.json == str(tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["step"], report["watch"]["rank"], report["findings"][0]["cause"]) == (BAD_STEP, BAD_RANK, "log")
+    assert result.summary().startswith("nanprobe watch: 2 processes (ranks 0-1), 5 optimizer steps seen in each, "
+                                       "1 bad step, 1 report written (first: ")
+
+
+def _first_nan_of_plain_run() -> int:
+    """own_trainer.py run as `python own_trainer.py --epochs 2` would (here, no nanprobe): its first NaN step."""
+    out = io.StringIO()
+    argv, path0 = list(sys.argv), sys.path[0]
+    sys.argv, sys.path[0] = [str(OWN), "--epochs", "2"], str(WATCH)
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            runpy.run_path(str(OWN), run_name="__main__")
+    finally:
+        sys.argv, sys.path[0] = argv, path0
+    return min(int(m.group(1)) for m in re.finditer(r"step (\d+) loss nan", out.getvalue()))
+
+
+def test_watch_follows_the_python_script_a_shell_command_starts_and_returns_its_exit_code(tmp_path, monkeypatch):
+    expected = _first_nan_of_plain_run()
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    result = watch(["bash", "-c", f"python {OWN} --epochs 2 --exit-code 3 > {tmp_path / 'out.txt'}"],
+                   dirpath=tmp_path / "reports")
+    assert result.exit_code == 3
+    [row] = result.processes
+    assert (row.rank, row.world_size, row.steps, row.exit, row.root) == (None, None, 16, 3, "PoissonNet")
+    first = row.events[0]
+    assert (first.step, first.reason, first.action) == (expected, "loss is nan", "skipped") and first.report
+    report = json.loads(Path(first.report).read_text())
+    assert (report["origin"]["op"], report["findings"][0]["cause"]) == ("aten.log.default", "log")
+    assert (tmp_path / "out.txt").read_text().splitlines()[-1] == "done"
+    assert result.summary().startswith(f"nanprobe watch: 1 process, 16 optimizer steps seen, {len(row.events)} bad "
+                                       "steps, 1 report written (first: ")
+    assert result.summary().endswith("; pid %d exited 3" % row.pid)
+
+
+DATALOADER = """
+import json, os, sys, torch, torch.nn as nn
+from torch.optim import optimizer as optim_module
+from torch.utils.data import DataLoader, Dataset
+
+class Probe(Dataset):   # what a DataLoader worker finds installed: nothing of nanprobe's
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and i % 8 == 0:
+            hooks = torch.nn.modules.module
+            state = {"pid": os.getpid(), "module_hooks": len(hooks._global_forward_pre_hooks)
+                     + len(hooks._global_forward_hooks), "optimizer_hooks":
+                     len(optim_module._global_optimizer_pre_hooks), "backward":
+                     torch.autograd.backward.__module__}
+            open(os.path.join(sys.argv[1], f"worker-{os.getpid()}.json"), "w").write(json.dumps(state))
+        return torch.full((4,), i / 32.0), torch.tensor(1.0)
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in DataLoader(Probe(), batch_size=8, num_workers=2):
+        loss = ((model(x).squeeze(-1) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    raise ValueError("after training")
+"""
+
+
+def test_dataloader_workers_stay_inert_and_a_raising_script_is_counted(tmp_path, monkeypatch):
+    """Workers forked from a watched process carry no hook and write no row; the script's own exception
+    is its exit code (1) and named in the summary."""
+    script = tmp_path / "loader.py"
+    script.write_text(DATALOADER)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = watch(["bash", "-c", f"{sys.executable} {script} {tmp_path}"], dirpath=tmp_path / "reports")
+    assert result.exit_code == 1
+    [row] = result.processes
+    assert (row.steps, row.exit, row.error) == (4, 1, "ValueError: after training")
+    workers = [json.loads(p.read_text()) for p in tmp_path.glob("worker-*.json")]
+    assert len({w["pid"] for w in workers}) == 2 and row.pid not in {w["pid"] for w in workers}
+    assert all((w["module_hooks"], w["optimizer_hooks"], w["backward"]) == (0, 0, "torch.autograd") for w in workers)
+    assert result.summary().endswith(f"; pid {row.pid} exited 1 (ValueError: after training)")
+
+
+BY_HAND = ("import torch\nw = torch.ones(3, requires_grad=True)\nfor _ in range(3):\n"
+           "    (w * w).sum().backward()\n    with torch.no_grad():\n        w -= 0.1 * w.grad\n    w.grad = None\n")
+
+
+def test_watch_warns_when_no_python_process_or_no_optimizer_step_was_seen(tmp_path):
+    """Never silence: a command that starts no Python training process, and one whose script updates by hand."""
+    res = runner.invoke(app, ["watch", "--dir", str(tmp_path / "r"), "--", "bash", "-c",
+                              f"{sys.executable} -c 'import json'; exit 5"])
+    assert res.exit_code == 5
+    assert res.stderr.splitlines()[-1].startswith("nanprobe watch: warning: the command started no Python process "
+                                                  "nanprobe could follow")
+    script = tmp_path / "by_hand.py"
+    script.write_text(BY_HAND)
+    res = runner.invoke(app, ["watch", "--dir", str(tmp_path / "r"), "--", "bash", "-c", f"{sys.executable} {script}"])
+    assert res.exit_code == 0
+    assert res.stderr.splitlines()[-1].startswith("nanprobe watch: warning: 1 process followed, but no optimizer "
+                                                  "step was seen, so nothing was checked")
+    assert not (tmp_path / "r").exists()
+
+
+def test_watch_of_a_missing_command_exits_2_with_one_line():
+    res = runner.invoke(app, ["watch", "--", "no-such-command-for-nanprobe", "train.py"])
+    assert res.exit_code == 2
+    assert res.stderr.startswith("nanprobe: error: command 'no-such-command-for-nanprobe' not found")
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.output
