@@ -221,11 +221,17 @@ BY_HAND = ("import torch\nw = torch.ones(3, requires_grad=True)\nfor _ in range(
            "    (w * w).sum().backward()\n    with torch.no_grad():\n        w -= 0.1 * w.grad\n    w.grad = None\n")
 
 
-def test_watch_warns_when_no_python_process_or_no_optimizer_step_was_seen(tmp_path):
-    """Never silence: a command that starts no Python training process, and one whose script updates by hand."""
+def test_watch_warns_when_no_python_process_or_no_optimizer_step_was_seen(tmp_path, monkeypatch):
+    """Never silence: a command that starts no Python training process, and one whose script updates by hand.
+    The bootstrap runs the sitecustomize it shadows (the user's, on PYTHONPATH)."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(f"open({str(tmp_path / 'ran.txt')!r}, 'a').write('ran\\n')\n")
+    monkeypatch.setenv("PYTHONPATH", str(user))
     res = runner.invoke(app, ["watch", "--dir", str(tmp_path / "r"), "--", "bash", "-c",
                               f"{sys.executable} -c 'import json'; exit 5"])
     assert res.exit_code == 5
+    assert (tmp_path / "ran.txt").read_text() == "ran\n"
     assert res.stderr.splitlines()[-1].startswith("nanprobe watch: warning: the command started no Python process "
                                                   "nanprobe could follow")
     script = tmp_path / "by_hand.py"
@@ -235,6 +241,22 @@ def test_watch_warns_when_no_python_process_or_no_optimizer_step_was_seen(tmp_pa
     assert res.stderr.splitlines()[-1].startswith("nanprobe watch: warning: 1 process followed, but no optimizer "
                                                   "step was seen, so nothing was checked")
     assert not (tmp_path / "r").exists()
+
+
+@needs_dist
+def test_watch_over_ranks_that_run_their_own_watch_says_so_and_does_not_watch_twice(tmp_path, monkeypatch):
+    """`torchrun ... --no-python nanprobe watch -- python train.py` under an outer watch: each rank's own
+    (in-process) watch guards and reports it; the outer one adds no second Watcher and says so."""
+    _setenv(monkeypatch, _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK)))
+    inner = tmp_path / "inner"
+    result = watch([str(BIN / "torchrun"), *_torchrun()[3:], "--no-python", str(BIN / "nanprobe"), "watch", "--dir",
+                    str(inner), "--", sys.executable, str(DDP)], dirpath=tmp_path / "outer")
+    assert result.exit_code == 0 and not (tmp_path / "outer").exists()
+    assert [(r.rank, r.own_watch, r.steps) for r in result.processes] == [(0, True, 0), (1, True, 0)]
+    assert result.summary() == "nanprobe watch: 2 processes (ranks 0-1) ran their own nanprobe watch (its lines " \
+                               "above say what it saw)"
+    assert [p.name.split("-")[1] for p in inner.glob("*.json")] == ["rank1"]
+    assert len(list(inner.glob("*.capsule.pt"))) == 2   # one per rank, not two
 
 
 def test_watch_of_a_missing_command_exits_2_with_one_line():

@@ -39,6 +39,7 @@ class _State:
     pid = os.getpid()
     armed = False          # Optimizer.__init__ is wrapped
     inert = False          # a child forked from a watched process: nothing at all
+    own_watch = False      # the process runs `nanprobe watch -- python ...` itself: its row says only that
     watcher = None
     exit_code = None       # sys.exit's code, or 1 after an uncaught exception
     error = None
@@ -116,7 +117,7 @@ def _on_torch() -> None:
 def _start() -> None:
     """Start the Watcher (same code as ``nanprobe watch -- python train.py``) in this process."""
     if _in_process_watch():
-        _State.inert = True   # that watch reports this process itself
+        _State.own_watch = True   # that watch guards and reports this process itself
         return
     try:
         settings = _settings()
@@ -191,9 +192,9 @@ def _at_exit() -> None:
             row = finish_watcher(w)
         steps = row["steps"] if row else 0
         rank_process = any(os.environ.get(k) for k in ("RANK", "LOCAL_RANK")) or _launched_script()
-        if not steps and (multiprocessing.parent_process() is not None or not rank_process):
+        if not steps and not _State.own_watch and (multiprocessing.parent_process() is not None or not rank_process):
             return
-        row = row or {"steps": 0, "events": [], "root": None, "notes": []}
+        row = row or {"steps": 0, "events": [], "root": None, "notes": [], "own_watch": _State.own_watch}
         if row.get("error"):
             _State.error = _State.error or row["error"]
         row.update(pid=os.getpid(), argv=list(sys.argv), exit=0 if _State.exit_code is None else _State.exit_code,

@@ -50,6 +50,7 @@ class ProcessRow:
     root: str | None = None
     argv: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    own_watch: bool = False        # it ran `nanprobe watch -- python ...` itself, which reported it
 
     @property
     def reports(self) -> tuple[str, ...]:
@@ -132,7 +133,7 @@ def read_rows(folder: str | os.PathLike) -> tuple[ProcessRow, ...]:
         rows.append(ProcessRow(pid=int(data["pid"]), rank=data.get("rank"), world_size=data.get("world_size"),
                                steps=int(data.get("steps", 0)), events=events, exit=int(data.get("exit") or 0),
                                error=data.get("error"), root=data.get("root"), argv=tuple(data.get("argv", ())),
-                               notes=tuple(data.get("notes", ()))))
+                               notes=tuple(data.get("notes", ())), own_watch=bool(data.get("own_watch"))))
     return tuple(sorted(rows, key=lambda r: (r.rank if r.rank is not None else -1, r.pid)))
 
 

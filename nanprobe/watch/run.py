@@ -73,10 +73,16 @@ def _processes_summary(result: WatchResult) -> str:
                 "imported torch and ran as a rank or as the launched script), so nothing was checked. watch "
                 "follows Python interpreters that the command starts with its environment (PYTHONPATH); "
                 "a program that resets it, or a non-Python trainer, is not seen")
+    own = [r for r in rows if r.own_watch]   # `torchrun ... nanprobe watch -- python ...`: reported by themselves
+    own_line = f"{len(own)} process{'es' if len(own) != 1 else ''}{_ranks(own)} ran their own nanprobe watch " \
+        "(its lines above say what it saw)"
+    rows = [r for r in rows if not r.own_watch]
+    if own and not rows:
+        return f"nanprobe watch: {own_line}"
     procs = f"{len(rows)} process{'es' if len(rows) != 1 else ''}{_ranks(rows)}"
     failed = [r for r in rows if r.exit]
     tail = "".join(f"; {'rank ' + str(r.rank) if r.rank is not None else 'pid ' + str(r.pid)} exited {r.exit}"
-                   + (f" ({r.error})" if r.error else "") for r in failed[:2])
+                   + (f" ({r.error})" if r.error else "") for r in failed[:2]) + (f"; {own_line}" if own else "")
     if result.steps == 0:
         return (f"nanprobe watch: warning: {procs} followed, but no optimizer step was seen, so nothing was "
                 "checked. watch guards the steps of torch.optim optimizers (optimizer.step(), GradScaler.step); an "
