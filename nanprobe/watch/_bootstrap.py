@@ -22,11 +22,6 @@ Nothing here may raise into the user's program: every step is wrapped.
 
 from __future__ import annotations
 
-import atexit
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import json
 import os
 import sys
 
@@ -48,6 +43,9 @@ class _State:
 
 def _chain(here: str) -> None:
     """Run the ``sitecustomize`` this file shadows (the next one on sys.path), as Python would have."""
+    import importlib.machinery
+    import importlib.util
+
     path = [p for p in sys.path if os.path.abspath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
@@ -57,7 +55,7 @@ def _chain(here: str) -> None:
     spec.loader.exec_module(module)
 
 
-class _TorchLoader(importlib.abc.Loader):
+class _TorchLoader:
     """torch's own loader; once torch's module has run, :func:`_on_torch`."""
 
     def __init__(self, loader):
@@ -74,12 +72,14 @@ class _TorchLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _TorchFinder(importlib.abc.MetaPathFinder):
+class _TorchFinder:
     """Finds nothing itself: gives torch's spec the loader above, once."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
+        import importlib.util
+
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
@@ -88,6 +88,8 @@ class _TorchFinder(importlib.abc.MetaPathFinder):
 
 
 def _settings() -> dict:
+    import json
+
     return json.loads(os.environ.get(SETTINGS_ENV) or "{}")
 
 
@@ -120,6 +122,8 @@ def _start() -> None:
         _State.own_watch = True   # that watch guards and reports this process itself
         return
     try:
+        import importlib.util
+
         settings = _settings()
         if settings.get("path") and importlib.util.find_spec("nanprobe") is None:
             sys.path.append(settings["path"])
@@ -184,7 +188,9 @@ def _at_exit() -> None:
     if _State.inert or os.getpid() != _State.pid or "torch" not in sys.modules:
         return
     try:
+        import json
         import multiprocessing
+
         w = _State.watcher
         row = None
         if w is not None:
@@ -221,6 +227,8 @@ def boot(here: str) -> None:
         _chain(here)
     finally:
         if os.environ.get(RUN_ENV):
+            import atexit
+
             os.register_at_fork(after_in_child=_forked)
             atexit.register(_at_exit)
             if "torch" in sys.modules:
