@@ -217,6 +217,37 @@ def test_dataloader_workers_stay_inert_and_a_raising_script_is_counted(tmp_path,
     assert result.summary().endswith(f"; pid {row.pid} exited 1 (ValueError: after training)")
 
 
+SPAWNER = """
+import os, sys
+import torch.multiprocessing as mp
+
+def rank_main(rank, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, {folder!r})
+    import ddp_trainer
+    ddp_trainer.main()
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(int(sys.argv[1]),), nprocs=2, join=True)
+"""
+
+
+@needs_dist
+def test_watch_follows_ranks_a_script_spawns_itself(tmp_path, monkeypatch):
+    """`torch.multiprocessing.spawn` children are fresh interpreters: they inherit the bootstrap too. The
+    spawning script took no step: it is not counted next to its ranks."""
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER.format(folder=str(WATCH)))
+    _setenv(monkeypatch, _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK)))
+    result = watch(["bash", "-c", f"{sys.executable} {script} {_free_port()}"], dirpath=tmp_path / "reports")
+    assert result.exit_code == 0
+    assert [(r.rank, r.steps) for r in result.processes] == [(None, 0), (0, 5), (1, 5)]
+    assert [(e.step, e.rank, e.local, bool(e.report)) for e in result.events] == \
+        [(BAD_STEP, 0, False, False), (BAD_STEP, BAD_RANK, True, True)]
+    assert result.summary().startswith("nanprobe watch: 2 processes (ranks 0-1), 5 optimizer steps seen in each, "
+                                       "1 bad step, 1 report written (first: ")
+
+
 BY_HAND = ("import torch\nw = torch.ones(3, requires_grad=True)\nfor _ in range(3):\n"
            "    (w * w).sum().backward()\n    with torch.no_grad():\n        w -= 0.1 * w.grad\n    w.grad = None\n")
 
