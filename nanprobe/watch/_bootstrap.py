@@ -27,6 +27,7 @@ import sys
 
 RUN_ENV = "NANPROBE_WATCH_RUN"          # the run directory (rows go there)
 SETTINGS_ENV = "NANPROBE_WATCH"         # JSON: policy, dirpath, max_reports, entry, config, path
+RUN_PREFIX = "nanprobe-watch-"          # the run directory's name; its bootstrap/ holds this file
 _LAUNCHER_MODULES = ("torch.distributed.", "accelerate.", "deepspeed.")
 
 
@@ -36,9 +37,8 @@ class _State:
     inert = False          # a child forked from a watched process: nothing at all
     own_watch = False      # the process runs `nanprobe watch -- python ...` itself: its row says only that
     watcher = None
-    exit_code = None       # sys.exit's code, or 1 after an uncaught exception
+    exit_code = None       # sys.exit's code, or 1 after an uncaught exception (`raise SystemExit(n)`: not seen)
     error = None
-    original_init = None
 
 
 def _chain(here: str) -> None:
@@ -47,9 +47,14 @@ def _chain(here: str) -> None:
     import importlib.util
 
     path = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
-    if spec is None or spec.loader is None:
-        return
+    while True:
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+        if spec is None or spec.loader is None:
+            return
+        folder = os.path.dirname(os.path.abspath(spec.origin or ""))
+        if not os.path.basename(os.path.dirname(folder)).startswith(RUN_PREFIX):
+            break
+        path = [p for p in path if os.path.abspath(p or ".") != folder]   # an outer watch's bootstrap: one is enough
     module = importlib.util.module_from_spec(spec)
     sys.modules["_nanprobe_chained_sitecustomize"] = module
     spec.loader.exec_module(module)
@@ -108,7 +113,6 @@ def _on_torch() -> None:
                 torch.optim.Optimizer.__init__ = original   # one call: the rest is the Watcher's
                 _start()
 
-        _State.original_init = original
         torch.optim.Optimizer.__init__ = __init__
         _State.armed = True
         _wrap_exit()
@@ -197,6 +201,8 @@ def _at_exit() -> None:
             from nanprobe.watch.launch import finish_watcher
             row = finish_watcher(w)
         steps = row["steps"] if row else 0
+        # `nanprobe watch -- LAUNCHER ...` run under an outer watch: it followed (and reported) its own processes
+        _State.own_watch = _State.own_watch or bool(getattr(sys.modules.get("nanprobe.watch.launch"), "followed", 0))
         rank_process = any(os.environ.get(k) for k in ("RANK", "LOCAL_RANK")) or _launched_script()
         if not steps and not _State.own_watch and (multiprocessing.parent_process() is not None or not rank_process):
             return

@@ -29,7 +29,9 @@ from typing import Any
 from ..config import Config
 from ..errors import UsageError
 from ..hooked import HookEvent, Stopped, resolve_config
-from ._bootstrap import RUN_ENV, SETTINGS_ENV
+from ._bootstrap import RUN_ENV, RUN_PREFIX, SETTINGS_ENV
+
+followed = 0   # commands run by run_command in this process (an outer watch's bootstrap reads it)
 
 # `python -m MODULE` that starts other Python processes: followed, not run in-process
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
@@ -45,7 +47,8 @@ class ProcessRow:
     world_size: int | None
     steps: int                     # optimizer steps of its guarded optimizer
     events: tuple[HookEvent, ...] = ()
-    exit: int = 0                  # sys.exit's code, 1 after an uncaught exception (as Python exits)
+    exit: int = 0                  # sys.exit's code, 1 after an uncaught exception (as Python exits); a bare
+                                   # `raise SystemExit(n)` is not seen (0)
     error: str | None = None       # the uncaught exception's one line (or why nanprobe did not start)
     root: str | None = None
     argv: tuple[str, ...] = ()
@@ -160,7 +163,9 @@ def _wait(proc: subprocess.Popen) -> int:
 
 def run_command(command: Sequence[str], settings: dict[str, Any]) -> tuple[int, tuple[ProcessRow, ...]]:
     """Run the command with the bootstrap in its environment; its exit code and the processes' rows."""
-    run = Path(tempfile.mkdtemp(prefix="nanprobe-watch-"))
+    global followed
+    followed += 1
+    run = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
     try:
         boot = run / "bootstrap"
         boot.mkdir()

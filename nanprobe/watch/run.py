@@ -74,8 +74,8 @@ def _processes_summary(result: WatchResult) -> str:
                 "follows Python interpreters that the command starts with its environment (PYTHONPATH); "
                 "a program that resets it, or a non-Python trainer, is not seen")
     own = [r for r in rows if r.own_watch]   # `torchrun ... nanprobe watch -- python ...`: reported by themselves
-    own_line = f"{len(own)} process{'es' if len(own) != 1 else ''}{_ranks(own)} ran their own nanprobe watch " \
-        "(its lines above say what it saw)"
+    own_line = f"{len(own)} process{'es' if len(own) != 1 else ''}{_ranks(own)} ran " \
+        f"{'their' if len(own) != 1 else 'its'} own nanprobe watch (its lines above say what it saw)"
     rows = [r for r in rows if not r.own_watch]
     if own and not rows:
         return f"nanprobe watch: {own_line}"
