@@ -217,6 +217,23 @@ def test_dataloader_workers_stay_inert_and_a_raising_script_is_counted(tmp_path,
     assert result.summary().endswith(f"; pid {row.pid} exited 1 (ValueError: after training)")
 
 
+@needs_dist
+def test_watch_counts_a_rank_that_crashed_and_one_the_launcher_stopped(tmp_path, monkeypatch):
+    """Rank 1 raises after its bad step; torchrun then stops rank 0 (SIGTERM skips atexit, or it fails in the
+    next collective): both are counted, rank 1's bad step and exception are named, the exit code is torchrun's."""
+    _setenv(monkeypatch, _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK), CRASH_STEP="3"))
+    result = watch(_torchrun(str(DDP)), dirpath=tmp_path / "reports")
+    assert result.exit_code == 1
+    r0, r1 = result.processes
+    assert (r0.rank, r1.rank, r1.exit, r1.error) == (0, 1, 1, "ValueError: rank 1 crashed after step 3")
+    assert r0.exit in (1, None) and r0.steps >= BAD_STEP + 1 and r1.steps == 4
+    assert [(e.step, e.rank, e.local, bool(e.report)) for e in r0.events + r1.events] == \
+        [(BAD_STEP, 0, False, False), (BAD_STEP, BAD_RANK, True, True)]
+    line = result.summary()
+    assert line.startswith("nanprobe watch: 2 processes (ranks 0-1), ") and ", 1 bad step, 1 report written" in line
+    assert line.endswith("; rank 1 exited 1 (ValueError: rank 1 crashed after step 3)")
+
+
 SPAWNER = """
 import os, sys
 import torch.multiprocessing as mp

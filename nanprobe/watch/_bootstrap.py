@@ -13,9 +13,10 @@ the standard library until the process trains:
   inert; a process forked while a Watcher runs (a DataLoader worker) removes the Watcher's hooks at once;
 * at exit (``atexit``: also after an uncaught exception or ``sys.exit``) it finishes the Watcher and
   writes the process's row (pid, rank, world size, steps, bad steps, reports, exit) into the run
-  directory. A process that saw no optimizer step writes a row only if it is a rank process
-  (``RANK``/``LOCAL_RANK`` set) or the launched script itself, never if it is a launcher or a
-  multiprocessing child.
+  directory; a process with a Watcher writes it also when the Watcher starts and after each bad step
+  (exit unknown), so a rank the launcher kills (SIGTERM skips ``atexit``) is still counted. A process
+  that built no optimizer writes a row only if it is a rank process (``RANK``/``LOCAL_RANK`` set) or the
+  launched script itself, never if it is a launcher or a multiprocessing child.
 
 Nothing here may raise into the user's program: every step is wrapped.
 """
@@ -132,7 +133,8 @@ def _start() -> None:
         if settings.get("path") and importlib.util.find_spec("nanprobe") is None:
             sys.path.append(settings["path"])
         from nanprobe.watch.launch import start_watcher
-        _State.watcher = start_watcher(settings)
+        _State.watcher = start_watcher(settings, on_event=_progress)
+        _progress()   # counted even if the launcher kills it before it exits
     except Exception as exc:  # noqa: BLE001 - the user's training goes on, unwatched; the row says why
         _State.error = f"nanprobe could not start: {type(exc).__name__}: {exc}"
 
@@ -188,11 +190,32 @@ def _launched_script() -> bool:
     return bool(sys.argv) and sys.argv[0].endswith(".py")   # not "-c", not a launcher's console script
 
 
+def _progress() -> None:
+    """The row so far (exit unknown): written when the Watcher starts and after each bad step."""
+    if _State.inert or os.getpid() != _State.pid or _State.watcher is None:
+        return
+    from nanprobe.watch.launch import watcher_row
+    _write_row(watcher_row(_State.watcher), exited=False)
+
+
+def _write_row(row: dict, exited: bool) -> None:
+    import json
+
+    row.update(pid=os.getpid(), argv=list(sys.argv), error=_State.error or row.get("error"),
+               exit=(0 if _State.exit_code is None else _State.exit_code) if exited else None,
+               own_watch=_State.own_watch, rank=_env_int("RANK", row.get("rank")),
+               world_size=_env_int("WORLD_SIZE", row.get("world_size")))
+    folder = os.environ[RUN_ENV]
+    tmp = os.path.join(folder, f".process-{os.getpid()}.json")
+    with open(tmp, "w") as fh:
+        json.dump(row, fh)
+    os.replace(tmp, os.path.join(folder, f"process-{os.getpid()}.json"))
+
+
 def _at_exit() -> None:
     if _State.inert or os.getpid() != _State.pid or "torch" not in sys.modules:
         return
     try:
-        import json
         import multiprocessing
 
         w = _State.watcher
@@ -200,23 +223,12 @@ def _at_exit() -> None:
         if w is not None:
             from nanprobe.watch.launch import finish_watcher
             row = finish_watcher(w)
-        steps = row["steps"] if row else 0
         # `nanprobe watch -- LAUNCHER ...` run under an outer watch: it followed (and reported) its own processes
         _State.own_watch = _State.own_watch or bool(getattr(sys.modules.get("nanprobe.watch.launch"), "followed", 0))
         rank_process = any(os.environ.get(k) for k in ("RANK", "LOCAL_RANK")) or _launched_script()
-        if not steps and not _State.own_watch and (multiprocessing.parent_process() is not None or not rank_process):
+        if w is None and not _State.own_watch and (multiprocessing.parent_process() is not None or not rank_process):
             return
-        row = row or {"steps": 0, "events": [], "root": None, "notes": [], "own_watch": _State.own_watch}
-        if row.get("error"):
-            _State.error = _State.error or row["error"]
-        row.update(pid=os.getpid(), argv=list(sys.argv), exit=0 if _State.exit_code is None else _State.exit_code,
-                   error=_State.error, rank=_env_int("RANK", row.get("rank")),
-                   world_size=_env_int("WORLD_SIZE", row.get("world_size")))
-        folder = os.environ[RUN_ENV]
-        tmp = os.path.join(folder, f".process-{os.getpid()}.json")
-        with open(tmp, "w") as fh:
-            json.dump(row, fh)
-        os.replace(tmp, os.path.join(folder, f"process-{os.getpid()}.json"))
+        _write_row(row or {"steps": 0, "events": [], "root": None, "notes": []}, exited=True)
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
 
@@ -235,7 +247,8 @@ def boot(here: str) -> None:
         if os.environ.get(RUN_ENV):
             import atexit
 
-            os.register_at_fork(after_in_child=_forked)
+            if hasattr(os, "register_at_fork"):   # POSIX
+                os.register_at_fork(after_in_child=_forked)
             atexit.register(_at_exit)
             if "torch" in sys.modules:
                 _on_torch()

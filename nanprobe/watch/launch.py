@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,9 @@ class ProcessRow:
     world_size: int | None
     steps: int                     # optimizer steps of its guarded optimizer
     events: tuple[HookEvent, ...] = ()
-    exit: int = 0                  # sys.exit's code, 1 after an uncaught exception (as Python exits); a bare
-                                   # `raise SystemExit(n)` is not seen (0)
+    exit: int | None = 0           # sys.exit's code, 1 after an uncaught exception (as Python exits); a bare
+                                   # `raise SystemExit(n)` is not seen (0); None: it never reached its exit
+                                   # (killed: the row is from its last bad step)
     error: str | None = None       # the uncaught exception's one line (or why nanprobe did not start)
     root: str | None = None
     argv: tuple[str, ...] = ()
@@ -82,9 +83,24 @@ def settings_for(*, cfg: Config, policy: str, dirpath: str | os.PathLike, entry:
             "config": dataclasses.asdict(cfg), "path": str(Path(__file__).resolve().parents[2])}
 
 
-def start_watcher(settings: dict[str, Any]):
+class _Notify(logging.Handler):
+    """Calls back after each line the Watcher logs (a bad step): the bootstrap rewrites the process's row,
+    so a rank the launcher kills (SIGTERM: no ``atexit``) still shows its bad steps."""
+
+    def __init__(self, callback: Callable[[], None]):
+        super().__init__()
+        self._callback = callback
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._callback()
+        except Exception:  # noqa: BLE001 - never into the user's training
+            pass
+
+
+def start_watcher(settings: dict[str, Any], on_event: Callable[[], None] | None = None):
     """In a child process, when it builds its first optimizer: a Watcher with the parent's settings,
-    installed; its log lines go to stderr as under the CLI."""
+    installed; its log lines go to stderr as under the CLI, then ``on_event`` is called."""
     from .watcher import Watcher
 
     log = logging.getLogger("nanprobe.watch")
@@ -93,6 +109,8 @@ def start_watcher(settings: dict[str, Any]):
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.propagate = False
+    if on_event is not None:
+        log.addHandler(_Notify(on_event))
     cfg = resolve_config(settings.get("config"), "nanprobe watch")
     watcher = Watcher(config=cfg, policy=settings.get("policy", "skip"),
                       dirpath=settings.get("dirpath", "nanprobe-reports"), entry=settings.get("entry"),
@@ -112,6 +130,11 @@ def finish_watcher(watcher) -> dict[str, Any]:
         error = f"nanprobe: internal error at exit: {type(exc).__name__}: {exc}"
     finally:
         watcher.__exit__()
+    return dict(watcher_row(watcher), error=error)
+
+
+def watcher_row(watcher) -> dict[str, Any]:
+    """What the Watcher saw so far, as the row's fields (the bootstrap adds pid, argv, exit, RANK...)."""
     # (rank, world) as the guard last read it (the process group is often gone by exit); RANK and
     # WORLD_SIZE, where the launcher set them, come first (the bootstrap)
     rank, world = getattr(watcher.guard, "_world", None) or (None, None)
@@ -119,7 +142,7 @@ def finish_watcher(watcher) -> dict[str, Any]:
         rank = world = None
     return {"steps": watcher.steps, "events": [dataclasses.asdict(e) for e in watcher.events],
             "root": type(watcher.root).__name__ if watcher.root is not None else None,
-            "notes": list(watcher.notes), "error": error, "rank": rank, "world_size": world}
+            "notes": list(watcher.notes), "error": None, "rank": rank, "world_size": world}
 
 
 # -- in the parent: run the command, read the rows --------------------------------------------------------
@@ -134,7 +157,7 @@ def read_rows(folder: str | os.PathLike) -> tuple[ProcessRow, ...]:
             continue
         events = tuple(HookEvent(**e) for e in data.get("events", []))
         rows.append(ProcessRow(pid=int(data["pid"]), rank=data.get("rank"), world_size=data.get("world_size"),
-                               steps=int(data.get("steps", 0)), events=events, exit=int(data.get("exit") or 0),
+                               steps=int(data.get("steps", 0)), events=events, exit=data.get("exit"),
                                error=data.get("error"), root=data.get("root"), argv=tuple(data.get("argv", ())),
                                notes=tuple(data.get("notes", ())), own_watch=bool(data.get("own_watch"))))
     return tuple(sorted(rows, key=lambda r: (r.rank if r.rank is not None else -1, r.pid)))
@@ -190,4 +213,4 @@ def run_command(command: Sequence[str], settings: dict[str, Any]) -> tuple[int, 
 
 
 __all__ = ["ProcessRow", "LAUNCHER_MODULES", "follows", "run_command", "read_rows", "settings_for",
-           "start_watcher", "finish_watcher"]
+           "start_watcher", "finish_watcher", "watcher_row"]

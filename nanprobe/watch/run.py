@@ -79,11 +79,12 @@ def _processes_summary(result: WatchResult) -> str:
     rows = [r for r in rows if not r.own_watch]
     if own and not rows:
         return f"nanprobe watch: {own_line}"
-    failed = [r for r in rows if r.exit]
+    failed = [r for r in rows if r.exit != 0]
     # a process that took no step next to ones that did (the script that spawned its ranks) is not counted
     rows = [r for r in rows if r.steps] or rows
     procs = f"{len(rows)} process{'es' if len(rows) != 1 else ''}{_ranks(rows)}"
-    tail = "".join(f"; {'rank ' + str(r.rank) if r.rank is not None else 'pid ' + str(r.pid)} exited {r.exit}"
+    tail = "".join(f"; {'rank ' + str(r.rank) if r.rank is not None else 'pid ' + str(r.pid)} "
+                   + (f"exited {r.exit}" if r.exit is not None else "was killed before it exited")
                    + (f" ({r.error})" if r.error else "") for r in failed[:2]) + (f"; {own_line}" if own else "")
     if result.steps == 0:
         return (f"nanprobe watch: warning: {procs} followed, but no optimizer step was seen, so nothing was "

@@ -4,7 +4,7 @@ A Poisson rate regression without a softplus. At step ``BAD_STEP`` rank 1's batc
 that drives one predicted rate below 0: that rank's loss is NaN (log of a negative rate) while every
 gradient stays finite (d/dr of r - y log r is 1 - y/r), so only that rank can see the bad step.
 Under a launcher (one environment for all ranks) ``BAD_RANK`` names the rank that gets it, and ``OUT``
-may hold ``{rank}``.
+may hold ``{rank}``; ``CRASH_STEP``: that rank raises ValueError after that step.
 """
 
 import os
@@ -36,6 +36,8 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if step == int(os.environ.get("CRASH_STEP", "-1")) and str(rank) == os.environ.get("BAD_RANK"):
+            raise ValueError(f"rank {rank} crashed after step {step}")
     torch.save(net.state_dict(), os.environ["OUT"].format(rank=rank))
     dist.barrier()
     dist.destroy_process_group()
