@@ -69,10 +69,10 @@ def _processes_summary(result: WatchResult) -> str:
     """The launcher path's line: processes (ranks), optimizer steps, bad steps, reports, failed processes."""
     rows = result.processes or ()
     if not rows:
-        return ("nanprobe watch: warning: the command started no Python process nanprobe could follow (none "
-                "imported torch and ran as a rank or as the launched script), so nothing was checked. watch "
-                "follows Python interpreters that the command starts with its environment (PYTHONPATH); "
-                "a program that resets it, or a non-Python trainer, is not seen")
+        return ("nanprobe watch: warning: the command started no Python process nanprobe could follow, so nothing "
+                "was checked. watch follows the Python processes the command starts (a rank, or the script it "
+                "runs, once it imports torch) through PYTHONPATH: a program that clears it or runs Python with "
+                "-E, -I or -S, or a trainer that is not Python, is not seen")
     own = [r for r in rows if r.own_watch]   # `torchrun ... nanprobe watch -- python ...`: reported by themselves
     own_line = f"{len(own)} process{'es' if len(own) != 1 else ''}{_ranks(own)} ran " \
         f"{'their' if len(own) != 1 else 'its'} own nanprobe watch (its lines above say what it saw)"
@@ -97,7 +97,7 @@ def _processes_summary(result: WatchResult) -> str:
     # a step every rank of one job skipped together is one bad step; separate jobs' steps are their own
     bad = len({(e.step,) if (r.world_size or 1) > 1 else (r.pid, e.step) for r in rows for e in r.events})
     reports = [e for e in result.events if e.report]
-    first = f" (first: {shown(reports[0].report)})" if reports else ""
+    first = f" (first: {shown(_first_report(result.events).report)})" if reports else ""
     return (f"nanprobe watch: {procs}, {steps}, {_plural(bad, 'bad step')}, {_plural(len(reports), 'report')} "
             f"written{first}" + tail)
 
@@ -232,14 +232,18 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
                        root=root, json=written, error=error, notes=tuple(watcher.notes))
 
 
+def _first_report(events: Sequence[HookEvent]) -> HookEvent | None:
+    """The first bad step's report, of the rank that saw it (the others skipped the step with it)."""
+    return next((e for e in events if e.report and e.local), next((e for e in events if e.report), None))
+
+
 def _watch_launched(command: Sequence[str], *, json_out: str | os.PathLike | None,
                     settings: dict[str, Any]) -> WatchResult:
     """The command as a subprocess, its Python processes followed (nanprobe.watch.launch)."""
     code, rows = run_command(command, settings)
     events = tuple(sorted((e for r in rows for e in r.events), key=lambda e: (e.step, e.rank)))
     written = None
-    # the first bad step's report: of the rank that saw it (the others skipped the step with it)
-    first = next((e for e in events if e.report and e.local), next((e for e in events if e.report), None))
+    first = _first_report(events)
     if json_out is not None and first is not None:
         Path(json_out).write_text(Path(first.report).read_text())
         written = str(json_out)
