@@ -15,8 +15,9 @@ the standard library until the process trains:
   writes the process's row (pid, rank, world size, steps, bad steps, reports, exit) into the run
   directory; a process with a Watcher writes it also when the Watcher starts and after each bad step
   (exit unknown), so a rank the launcher kills (SIGTERM skips ``atexit``) is still counted. A process
-  that built no optimizer writes a row only if it is a rank process (``RANK``/``LOCAL_RANK`` set) or the
-  launched script itself, never if it is a launcher or a multiprocessing child.
+  that built no optimizer writes a row only if it runs the user's script (``python train.py``, ``python -m
+  pkg.train``: a rank, or the script a shell command runs), never if it is a launcher, a multiprocessing
+  child or a helper interpreter (``python -c``, torch's own workers).
 
 Nothing here may raise into the user's program: every step is wrapped.
 """
@@ -29,7 +30,8 @@ import sys
 RUN_ENV = "NANPROBE_WATCH_RUN"          # the run directory (rows go there)
 SETTINGS_ENV = "NANPROBE_WATCH"         # JSON: policy, dirpath, max_reports, entry, config, path
 RUN_PREFIX = "nanprobe-watch-"          # the run directory's name; its bootstrap/ holds this file
-_LAUNCHER_MODULES = ("torch.distributed.", "accelerate.", "deepspeed.")
+# `python -m` mains that are not the user's script: launchers, torch's own workers (inductor's compile workers)
+_NOT_SCRIPTS = ("torch.", "accelerate.", "deepspeed.")
 
 
 class _State:
@@ -186,7 +188,7 @@ def _launched_script() -> bool:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is not None:
-        return not spec.name.startswith(_LAUNCHER_MODULES)
+        return not spec.name.startswith(_NOT_SCRIPTS)
     return bool(sys.argv) and sys.argv[0].endswith(".py")   # not "-c", not a launcher's console script
 
 
@@ -225,8 +227,10 @@ def _at_exit() -> None:
             row = finish_watcher(w)
         # `nanprobe watch -- LAUNCHER ...` run under an outer watch: it followed (and reported) its own processes
         _State.own_watch = _State.own_watch or bool(getattr(sys.modules.get("nanprobe.watch.launch"), "followed", 0))
-        rank_process = any(os.environ.get(k) for k in ("RANK", "LOCAL_RANK")) or _launched_script()
-        if w is None and not _State.own_watch and (multiprocessing.parent_process() is not None or not rank_process):
+        # no optimizer: a row only for the user's script itself (a rank that updates by hand, one that stopped
+        # early), never for a launcher, a multiprocessing child or a helper interpreter (`-c`, torch's workers)
+        if w is None and not _State.own_watch and (multiprocessing.parent_process() is not None or
+                                                   not _launched_script()):
             return
         _write_row(row or {"steps": 0, "events": [], "root": None, "notes": []}, exited=True)
     except Exception:  # noqa: BLE001 - exiting anyway
