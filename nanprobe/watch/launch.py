@@ -153,13 +153,14 @@ def read_rows(folder: str | os.PathLike) -> tuple[ProcessRow, ...]:
     for path in Path(folder).glob("process-*.json"):
         try:
             data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            events = tuple(HookEvent(**e) for e in data.get("events", []))
+            row = ProcessRow(pid=int(data["pid"]), rank=data.get("rank"), world_size=data.get("world_size"),
+                             steps=int(data.get("steps", 0)), events=events, exit=data.get("exit"),
+                             error=data.get("error"), root=data.get("root"), argv=tuple(data.get("argv", ())),
+                             notes=tuple(data.get("notes", ())), own_watch=bool(data.get("own_watch")))
+        except (OSError, ValueError, KeyError, TypeError):   # not a row this nanprobe wrote
             continue
-        events = tuple(HookEvent(**e) for e in data.get("events", []))
-        rows.append(ProcessRow(pid=int(data["pid"]), rank=data.get("rank"), world_size=data.get("world_size"),
-                               steps=int(data.get("steps", 0)), events=events, exit=data.get("exit"),
-                               error=data.get("error"), root=data.get("root"), argv=tuple(data.get("argv", ())),
-                               notes=tuple(data.get("notes", ())), own_watch=bool(data.get("own_watch"))))
+        rows.append(row)
     return tuple(sorted(rows, key=lambda r: (r.rank if r.rank is not None else -1, r.pid)))
 
 
