@@ -21,8 +21,9 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from nanprobe.cli import app
-from nanprobe.watch import watch
-from nanprobe.watch.launch import follows
+from nanprobe.hooked import HookEvent
+from nanprobe.watch import WatchResult, watch
+from nanprobe.watch.launch import ProcessRow, follows
 
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 DDP = WATCH / "ddp_trainer.py"
@@ -71,6 +72,32 @@ def test_follows_launchers_and_keeps_python_scripts_in_process():
     assert follows([sys.executable, "-m", "accelerate.commands.launch", "train.py"])
     assert not follows(["python", "train.py"]) and not follows(["python3", "-m", "pkg.train"])
     assert not follows([sys.executable, str(OWN)]) and not follows([])
+
+
+def _event(step: int, rank: int, local: bool, report: str | None = None) -> HookEvent:
+    return HookEvent(step=step, status="nonfinite", reason="loss is nan", action="skipped", local=local,
+                     headline="h", capsule=None, report=report, command=None, rank=rank)
+
+
+def test_the_summary_line_counts_processes_steps_bad_steps_and_reports():
+    """One bad step skipped by every rank of a job is one bad step; separate processes' are their own; the
+    report named is the rank's that saw it; failed and killed processes are named."""
+    rows = (ProcessRow(pid=10, rank=0, world_size=4, steps=3, events=(_event(2, 0, False),), exit=None),
+            ProcessRow(pid=11, rank=2, world_size=4, steps=5, events=(_event(2, 2, True, "r2.json"),), exit=1,
+                       error="ValueError: x"))
+    result = WatchResult(argv=("torchrun",), exit_code=1, steps=8, events=rows[0].events + rows[1].events,
+                         processes=rows)
+    assert result.summary() == ("nanprobe watch: 2 processes (ranks 0, 2), 8 optimizer steps seen, 1 bad step, "
+                                "1 report written (first: r2.json); rank 0 was killed before it exited; rank 2 "
+                                "exited 1 (ValueError: x)")
+    alone = (ProcessRow(pid=1, rank=None, world_size=None, steps=4, events=(_event(1, 0, True, "a.json"),)),
+             ProcessRow(pid=2, rank=None, world_size=None, steps=4, events=(_event(1, 0, True, "b.json"),)))
+    result = WatchResult(argv=("bash",), exit_code=0, steps=8, events=alone[0].events + alone[1].events,
+                         processes=alone)
+    assert result.summary() == "nanprobe watch: 2 processes, 4 optimizer steps seen in each, 2 bad steps, " \
+                               "2 reports written (first: a.json)"
+    assert WatchResult(argv=("ls",), exit_code=0, steps=0, processes=()).summary().startswith(
+        "nanprobe watch: warning: the command started no Python process nanprobe could follow")
 
 
 @needs_dist
