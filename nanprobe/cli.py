@@ -399,9 +399,15 @@ def scan_data_cmd(entry: EntryArg, limit: LimitOpt = None, precision: PrecisionO
     raise typer.Exit(result.exit_code)
 
 
-CommandArg = Annotated[Optional[list[str]], typer.Argument(metavar="-- python SCRIPT.py ARGS",
+CommandArg = Annotated[Optional[list[str]], typer.Argument(metavar="-- COMMAND ARGS",
                                                           help="The command to watch, after --: python train.py "
-                                                               "ARGS or python -m pkg.train ARGS.")]
+                                                               "ARGS or python -m pkg.train ARGS (run in this "
+                                                               "process), or a launcher (torchrun ..., accelerate "
+                                                               "launch ..., python -m torch.distributed.run ..., "
+                                                               "bash run.sh): its Python processes are followed, "
+                                                               "each rank writes its own report, and one line at "
+                                                               "the end says what was watched (processes, ranks, "
+                                                               "optimizer steps, bad steps, reports).")]
 WatchPolicyOpt = Annotated[str, typer.Option("--policy", help="On a bad step: skip (the update; go on), raise "
                                                               "(into the script), record (apply it anyway).")]
 DirOpt = Annotated[Path, typer.Option("--dir", metavar="DIR", help="Where capsules and JSON reports go.")]
@@ -426,7 +432,10 @@ def watch_cmd(command: CommandArg = None, json_out: JsonOpt = None, policy: Watc
               dirpath: DirOpt = Path("nanprobe-reports"), entry: EntryOpt = None, max_reports: MaxReportsOpt = 1,
               config: ConfigOpt = None, debug: DebugOpt = False, at: WatchAtOpt = None,
               explain: ExplainOpt = False) -> None:
-    """Run an unmodified script under the guard (global hooks); diagnose its first bad step in-process."""
+    """Run an unmodified script under the guard (global hooks); diagnose its first bad step in-process.
+
+    Under a launcher (torchrun, accelerate launch, bash run.sh) every Python process it starts is watched.
+    """
     import logging
 
     if at is not None:

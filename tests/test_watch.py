@@ -133,7 +133,7 @@ def test_watch_policy_raise_stops_the_script_after_the_report(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "no command to watch"),
-    (["ls", "-l"], "'ls' is not a Python interpreter"),
+    (["no-such-command-for-nanprobe"], "command 'no-such-command-for-nanprobe' not found"),   # run, not refused
     (["python", "missing.py"], "script 'missing.py' not found"),
     (["python", "-c", "print(1)"], "cannot watch 'python -c print(1)'"),
     (["python", "-m"], "python -m needs a module"),

@@ -28,6 +28,11 @@ read in the next check's sync (or when the script ends): an update that made wei
 reported at its own step, with the parameter, LR and optimizer state. Such weights cannot be recovered
 by skipping: that raises into the script (as policy ``raise`` does).
 
+Any other command (``torchrun ...``, ``accelerate launch ...``, ``python -m torch.distributed.run ...``,
+``bash run.sh``) runs as a subprocess whose Python processes are followed: each inherits a bootstrap
+(``sitecustomize`` on ``PYTHONPATH``) that starts this same Watcher at the process's first optimizer and
+writes a row per process at exit (:mod:`nanprobe.watch.launch`).
+
 The root module carries two hooks; copies and pickles of it (``copy.deepcopy``, ``AveragedModel``,
 ``torch.save(model)``) carry inert stdlib stand-ins. A sharded (FSDP2) model is not rerun in-process.
 

@@ -89,6 +89,11 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
     if isinstance(at, bool) or not isinstance(at, int) or at < 0:
         raise UsageError(f"--at {at!r}", "nanprobe watch", "Give the optimizer step to explain (0, 1, ...), "
                                                            "as watch's log line numbers it")
+    from .launch import follows
+    if command and follows(command):
+        raise UsageError(f"--at with {command[0]!r}: --at re-executes one Python process, not a launcher's ranks",
+                         "nanprobe watch --at", "Replay the bad rank's capsule instead: nanprobe run ENTRY --capsule "
+                                                "FILE (its log line names it)")
     kind, target, args = parse_command(command)
     cfg = resolve_config(config, "nanprobe watch")
     if json_out is not None and str(json_out) == "-":

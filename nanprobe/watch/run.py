@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..hooked import HookEvent, Stopped, check_policy, resolve_config, shown
+from .launch import ProcessRow, follows, run_command, settings_for
 from .watcher import POLICIES, Watcher
 
 _PYTHONS = ("python", "python3")
@@ -32,9 +33,12 @@ class WatchResult:
     json: str | None = None        # where --json wrote the first bad step's report
     error: str | None = None       # the script raised: the exception's one line
     notes: tuple[str, ...] = ()
+    processes: tuple[ProcessRow, ...] | None = None   # a followed command's Python processes (None: in-process)
 
     def summary(self) -> str:
         """The one line at the end: what was watched, or a warning that nothing was."""
+        if self.processes is not None:
+            return _processes_summary(self)
         if self.steps == 0:
             return ("nanprobe watch: warning: no optimizer step was seen, so nothing was checked. watch guards "
                     "the steps of torch.optim optimizers (optimizer.step(), GradScaler.step); an update written "
@@ -46,7 +50,65 @@ class WatchResult:
                 f"{reports} report(s) written" + (f" (first: {shown(self.events[0].report)})" if reports else ""))
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _ranks(rows: Sequence[ProcessRow]) -> str:
+    ranks = sorted({r.rank for r in rows if r.rank is not None})
+    if not ranks:
+        return ""
+    if len(ranks) == 1:
+        return f" (rank {ranks[0]})"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f" (ranks {ranks[0]}-{ranks[-1]})"
+    return f" (ranks {', '.join(map(str, ranks))})"
+
+
+def _processes_summary(result: WatchResult) -> str:
+    """The launcher path's line: processes (ranks), optimizer steps, bad steps, reports, failed processes."""
+    rows = result.processes or ()
+    if not rows:
+        return ("nanprobe watch: warning: the command started no Python process nanprobe could follow, so nothing "
+                "was checked. watch follows the Python processes the command starts (a rank, or the script it "
+                "runs, once it imports torch) through PYTHONPATH: a program that clears it or runs Python with "
+                "-E, -I or -S, or a trainer that is not Python, is not seen")
+    own = [r for r in rows if r.own_watch]   # `torchrun ... nanprobe watch -- python ...`: reported by themselves
+    own_line = f"{len(own)} process{'es' if len(own) != 1 else ''}{_ranks(own)} ran " \
+        f"{'their' if len(own) != 1 else 'its'} own nanprobe watch (its lines above say what it saw)"
+    rows = [r for r in rows if not r.own_watch]
+    if own and not rows:
+        return f"nanprobe watch: {own_line}"
+    failed = [r for r in rows if r.exit != 0]
+    # a process that took no step next to ones that did (the script that spawned its ranks) is not counted
+    rows = [r for r in rows if r.steps] or rows
+    procs = f"{len(rows)} process{'es' if len(rows) != 1 else ''}{_ranks(rows)}"
+    tail = "".join(f"; {'rank ' + str(r.rank) if r.rank is not None else 'pid ' + str(r.pid)} "
+                   + (f"exited {r.exit}" if r.exit is not None else "was killed before it exited")
+                   + (f" ({r.error})" if r.error else "") for r in failed[:2]) + (f"; {own_line}" if own else "")
+    if result.steps == 0:
+        return (f"nanprobe watch: warning: {procs} followed, but no optimizer step was seen, so nothing was "
+                "checked. watch guards the steps of torch.optim optimizers (optimizer.step(), GradScaler.step); an "
+                "update written by hand (p -= lr * p.grad) or a script that exits before training is not seen: "
+                "use nanprobe.Guard in such a loop" + tail)
+    counts = {r.steps for r in rows}
+    steps = f"{_plural(rows[0].steps, 'optimizer step')} seen in each" if len(rows) > 1 and len(counts) == 1 else \
+        f"{_plural(result.steps, 'optimizer step')} seen"
+    # a step every rank of one job skipped together is one bad step; separate jobs' steps are their own
+    bad = len({(e.step,) if (r.world_size or 1) > 1 else (r.pid, e.step) for r in rows for e in r.events})
+    reports = [e for e in result.events if e.report]
+    first = f" (first: {shown(_first_report(result.events).report)})" if reports else ""
+    return (f"nanprobe watch: {procs}, {steps}, {_plural(bad, 'bad step')}, {_plural(len(reports), 'report')} "
+            f"written{first}" + tail)
+
+
 # -- the command line after `--` ----------------------------------------------------------------------
+
+def is_python(exe: str) -> bool:
+    """``python``, ``python3.11``, or this interpreter by another name."""
+    return os.path.basename(exe).startswith(_PYTHONS) or \
+        os.path.realpath(shutil.which(exe) or exe) == os.path.realpath(sys.executable)
+
 
 def parse_command(argv: Sequence[str]) -> tuple[str, str, list[str]]:
     """``python train.py ARGS`` / ``python -m pkg.train ARGS`` -> (kind, target, args)."""
@@ -55,12 +117,10 @@ def parse_command(argv: Sequence[str]) -> tuple[str, str, list[str]]:
         raise UsageError("no command to watch", "nanprobe watch", "Give it after --: nanprobe watch -- python "
                                                                    "train.py ARGS")
     exe = argv[0]
-    name = os.path.basename(exe)
-    known = name.startswith(_PYTHONS) or os.path.realpath(shutil.which(exe) or exe) == os.path.realpath(sys.executable)
-    if not known:
+    if not is_python(exe):
         raise UsageError(f"{exe!r} is not a Python interpreter", "nanprobe watch",
                          "Watch a Python script: nanprobe watch -- python train.py ARGS (or python -m pkg.train); "
-                         "under torchrun: torchrun ... --no-python nanprobe watch -- python train.py")
+                         "a launcher's processes: nanprobe watch -- torchrun ... train.py")
     rest = argv[1:]
     if rest[:1] == ["-m"]:
         if len(rest) < 2:
@@ -116,9 +176,15 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
 
     The script's output goes where it would; its exit code is the result's (an exception it raises is
     printed as Python would, exit code 1). Bad steps are logged on the ``nanprobe.watch`` logger.
+
+    Any other command (``torchrun ...``, ``accelerate launch ...``, ``python -m torch.distributed.run ...``,
+    ``bash run.sh``) runs as a subprocess whose Python processes are followed (:mod:`nanprobe.watch.launch`):
+    the result's exit code is the command's, its ``processes`` one row per watched process, its events
+    every process's bad steps; ``json_out`` gets the report of the rank that saw the first one.
     """
     check_policy(policy, POLICIES, "--policy")
-    kind, target, args = parse_command(command)
+    launched = follows(command)   # a launcher (torchrun, accelerate launch, bash ...): its Python processes
+    kind, target, args = ("", "", []) if launched else parse_command(command)
     cfg = resolve_config(config, "nanprobe watch", check_every=check_every)
     if json_out is not None and str(json_out) == "-":
         raise UsageError("--json - would mix the report with the script's output", "--json",
@@ -126,6 +192,9 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
     if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
         raise UsageError(f"--max-reports {max_reports!r}", "nanprobe watch",
                          "Give the number of bad steps to diagnose in-process (0: none, only capsules)")
+    if launched:
+        return _watch_launched(command, json_out=json_out, settings=settings_for(
+            cfg=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports))
     from .record import start_state
     watcher = Watcher(config=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports,
                       argv=command, start=start_state())
@@ -165,4 +234,24 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
                        root=root, json=written, error=error, notes=tuple(watcher.notes))
 
 
-__all__ = ["watch", "WatchResult", "parse_command"]
+def _first_report(events: Sequence[HookEvent]) -> HookEvent | None:
+    """The first bad step's report, of the rank that saw it (the others skipped the step with it)."""
+    return next((e for e in events if e.report and e.local), next((e for e in events if e.report), None))
+
+
+def _watch_launched(command: Sequence[str], *, json_out: str | os.PathLike | None,
+                    settings: dict[str, Any]) -> WatchResult:
+    """The command as a subprocess, its Python processes followed (nanprobe.watch.launch)."""
+    code, rows = run_command(command, settings)
+    events = tuple(sorted((e for r in rows for e in r.events), key=lambda e: (e.step, e.rank)))
+    written = None
+    first = _first_report(events)
+    if json_out is not None and first is not None:
+        Path(json_out).write_text(Path(first.report).read_text())
+        written = str(json_out)
+    return WatchResult(argv=tuple(command), exit_code=code, steps=sum(r.steps for r in rows), events=events,
+                       root=next((r.root for r in rows if r.root), None), json=written,
+                       notes=tuple(dict.fromkeys(n for r in rows for n in r.notes)), processes=rows)
+
+
+__all__ = ["watch", "WatchResult", "parse_command", "is_python"]

@@ -3,6 +3,8 @@
 A Poisson rate regression without a softplus. At step ``BAD_STEP`` rank 1's batch holds an outlier
 that drives one predicted rate below 0: that rank's loss is NaN (log of a negative rate) while every
 gradient stays finite (d/dr of r - y log r is 1 - y/r), so only that rank can see the bad step.
+Under a launcher (one environment for all ranks) ``BAD_RANK`` names the rank that gets it, and ``OUT``
+may hold ``{rank}``; ``CRASH_STEP``: that rank raises ValueError after that step.
 """
 
 import os
@@ -17,6 +19,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     bad_step = int(os.environ.get("BAD_STEP", "-1"))
+    if os.environ.get("BAD_RANK", str(rank)) != str(rank):
+        bad_step = -1
     torch.manual_seed(0)
     net = nn.Linear(4, 1)
     nn.init.constant_(net.bias, 2.0)
@@ -32,7 +36,9 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    torch.save(net.state_dict(), os.environ["OUT"])
+        if step == int(os.environ.get("CRASH_STEP", "-1")) and str(rank) == os.environ.get("BAD_RANK"):
+            raise ValueError(f"rank {rank} crashed after step {step}")
+    torch.save(net.state_dict(), os.environ["OUT"].format(rank=rank))
     dist.barrier()
     dist.destroy_process_group()
 
