@@ -211,6 +211,11 @@ def test_watch_cli_at_and_explain(tmp_path):
     assert _json(tmp_path / "at.json")["origin"]["node"] == "SqrtBackward0"
     res = runner.invoke(app, ["watch", "--at", "-1", "--", "python", str(SQRT)])
     assert res.exit_code == 2
+    # a launcher's ranks are not re-executed: one line, exit 2, the capsule replay named instead
+    for launcher in (["torchrun", "--nproc-per-node", "2"], ["python", "-m", "torch.distributed.run"]):
+        res = runner.invoke(app, ["watch", "--at", "1", "--", *launcher, str(SQRT)])
+        assert res.exit_code == 2 and "re-executes one Python process" in res.output, res.output
+        assert "nanprobe run ENTRY --capsule" in res.output
 
 
 def test_watch_at_counts_gradscaler_skips_as_watch_does(tmp_path):

@@ -91,7 +91,7 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
                                                            "as watch's log line numbers it")
     from .launch import follows
     if command and follows(command):
-        raise UsageError(f"--at with {command[0]!r}: --at re-executes one Python process, not a launcher's ranks",
+        raise UsageError(f"--at with {' '.join(command[:3])!r}: --at re-executes one Python process, not a launcher's ranks",
                          "nanprobe watch --at", "Replay the bad rank's capsule instead: nanprobe run ENTRY --capsule "
                                                 "FILE (its log line names it)")
     kind, target, args = parse_command(command)
