@@ -225,9 +225,6 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     target.precision = prec
     loop = Loop(target, loaded.where, prec, policy or "native")
     _load_states(cap, target, loop, notes)
-    pos = data.get("position") if isinstance(data.get("position"), Mapping) else None
-    if pos and pos.get("epoch") is not None:
-        _lightning_position(unwrap(target.model), int(pos["epoch"]), cap.step, notes)
     carried = data.get("carried")
     if carried and not isinstance(carried, Mapping):
         raise CapsuleError("capsule field 'carried' is damaged", cap.path, "Use another capsule")
@@ -250,6 +247,8 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     position = _field(cap, "position", lambda: Position(
         step=cap.step, epoch=None if pos.get("epoch") is None else int(pos["epoch"]), index=int(pos.get("index") or 0),
         items=tuple(int(i) for i in pos.get("items") or ()))) if pos else None
+    if position is not None and position.epoch is not None:
+        _lightning_position(unwrap(target.model), position.epoch, cap.step, notes)
     if data.get("batch_missing") or not data["micro_batches"]:
         stream = Stream(target)
         stream.skip(cap.step)
