@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -284,3 +285,21 @@ def _num(x: float | None) -> float | str | None:
 
 def dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, allow_nan=False, default=str)
+
+
+def write_new(folder: Path, stem: str, data: dict[str, Any]) -> Path | None:
+    """``data`` as JSON in a new file ``folder/stem.json`` (``stem-1.json``, ... when taken: never
+    overwrites a report); None when it cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1000):
+            path = folder / (f"{stem}.json" if not attempt else f"{stem}-{attempt}.json")
+            try:
+                with open(path, "x") as fh:
+                    fh.write(dumps(data) + "\n")
+                return path
+            except FileExistsError:
+                continue
+    except OSError:
+        return None
+    return None

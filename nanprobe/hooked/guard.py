@@ -48,7 +48,7 @@ from ..feed import Position, Recorded
 from ..monitor import close_step, live_monitor
 from ..precision import device_of
 from ..replay import Reached, scheduler_info, storage_policy
-from ..report import Origin, Phase, Report, Status, StepRecord, dumps
+from ..report import Origin, Phase, Report, Status, StepRecord, write_new
 from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
@@ -570,20 +570,9 @@ class HookedGuard:
                               "rank": p.rank, "world_size": p.world,
                               "capsule": str(p.capsule) if p.capsule else None, "replay": command,
                               **({"capsule_note": p.capsule_note} if p.capsule_note else {}), **dict(extra or {})}
-        self.dirpath.mkdir(parents=True, exist_ok=True)
         stem = p.capsule.name[:-len(_capsule.SUFFIX)] if p.capsule else \
             f"step{p.step:07d}-rank{p.rank}-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        for attempt in range(1000):
-            path = self.dirpath / (f"{stem}.json" if not attempt else f"{stem}-{attempt}.json")
-            try:
-                with open(path, "x") as fh:
-                    fh.write(dumps(data) + "\n")
-                return path
-            except FileExistsError:
-                continue
-            except OSError:
-                return None
-        return None
+        return write_new(self.dirpath, stem, data)
 
 
 def _f32(x: float) -> float:

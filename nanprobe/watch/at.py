@@ -48,7 +48,8 @@ from ..hooked import resolve_config
 from ..instrument import LOSS_FN
 from ..precision import describe_device
 from ..replay import Reached, scheduler_info
-from ..report import Cause, Finding, Fidelity, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps
+from ..report import (Cause, Fidelity, Finding, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps,
+                      write_new)
 from .armed import OUTSIDE, Done, StepHooks
 from .record import DEFAULT_DIR, at_command, find_run, restore_start_state
 
@@ -165,21 +166,8 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
 
 
 def _write(data: dict[str, Any], dirpath: str | os.PathLike, at: int) -> Path | None:
-    folder = Path(dirpath)
     stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for attempt in range(1000):
-            path = folder / f"at-step{at:07d}-{stamp}-{os.getpid()}{'-' + str(attempt) if attempt else ''}.json"
-            try:
-                with open(path, "x") as fh:
-                    fh.write(dumps(data) + "\n")
-                return path
-            except FileExistsError:
-                continue
-    except OSError:
-        return None
-    return None
+    return write_new(Path(dirpath), f"at-step{at:07d}-{stamp}-{os.getpid()}", data)
 
 
 def _kind(x: Any) -> str | float | None:
