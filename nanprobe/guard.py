@@ -649,7 +649,7 @@ class Guard:
                               history=list(self._history), entry=self.entry, rank=rank, world_size=world,
                               local=local, max_grad_norm=max_grad_norm, carried=carried,
                               grad_scaler=scaler is not None)
-        path = _capsule.write(data, self.capsule_dir)
+        path = _capsule.write(data, self.capsule_dir, model=self.model, optimizers=self.optimizers)
         self.capsules.append(path)
         _capsule.prune(self.capsules, self.cfg.max_capsules, self._own_capsule)
         return path

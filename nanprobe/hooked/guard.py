@@ -421,7 +421,7 @@ class HookedGuard:
         undiagnosed = None
         if sharded(self.model):
             undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP2), so no rank can rerun its "
-                           "step alone; replay the capsule (it holds the full weights)")
+                           "step alone; replay the capsule (`nanprobe run` loads its full weights on one process)")
         elif local and self.reports >= self.max_reports:
             undiagnosed = "not diagnosed in-process: max_reports reached; replay the capsule"
         before = self._take_before(loop, rng) if local and undiagnosed is None else None
@@ -473,7 +473,8 @@ class HookedGuard:
                               history=[_capsule.record_dict(h) for h in self.history], entry=self.entry, rank=rank,
                               world_size=world, local=local, position=pos, carried=carried, form=target.form,
                               **settings)
-        path = _capsule.write(data, self.dirpath)
+        path = _capsule.write(data, self.dirpath, model=target.model,
+                              optimizers=[o for _, o in target.optimizers])
         self.capsules.append(path)
         _capsule.prune(self.capsules, self.gcfg.max_capsules)
         return path
@@ -569,7 +570,7 @@ class HookedGuard:
                               "capsule": str(p.capsule) if p.capsule else None, "replay": command,
                               **({"capsule_note": p.capsule_note} if p.capsule_note else {}), **dict(extra or {})}
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        stem = p.capsule.name[:-len(_capsule.SUFFIX)] if p.capsule else \
+        stem = _capsule.report_stem(p.capsule, p.rank) if p.capsule else \
             f"step{p.step:07d}-rank{p.rank}-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         for attempt in range(1000):
             path = self.dirpath / (f"{stem}.json" if not attempt else f"{stem}-{attempt}.json")
