@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import socket
 import sys
 from pathlib import Path
@@ -65,6 +67,23 @@ def test_all_ranks_skip_the_same_step_and_write_their_own_capsule(tmp_path):
 # -- FSDP2 (fully_shard): DTensor gradients; the same weights as without nanprobe ---------------------------
 
 FSDP2 = Path(__file__).resolve().parent / "assets" / "watch" / "fsdp2_trainer.py"
+
+
+@contextlib.contextmanager
+def _log_lines(name: str):
+    """The messages logger ``name`` writes meanwhile."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, log = Keep(), logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
 BAD_FSDP = 2
 
 
@@ -88,7 +107,10 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 result = watch(["python", str(FSDP2)], dirpath=Path(out_dir, name))
                 seen[name] = [[e.step, e.local, e.reason, e.action] for e in result.events]
             else:
-                runpy.run_path(str(FSDP2), run_name="__main__")
+                with _log_lines("nanprobe.guard") as lines:
+                    runpy.run_path(str(FSDP2), run_name="__main__")
+                seen[name + "_lines"] = [ln.split("Replay it: nanprobe run ENTRY ")[-1] for ln in lines
+                                         if "Replay it" in ln]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
         dist.barrier()
     finally:
@@ -111,11 +133,28 @@ def test_fsdp2_guard_and_watch_keep_healthy_weights_and_name_the_rank_that_broke
     assert r0["watch_bad"] == [[BAD_FSDP, False, "gradient norm is nan: rank 1's loss was non-finite and its "
                                                   "gradients reached every rank", "skipped"]]
     assert r0["watch"] == r1["watch"] == []
-    caps = sorted(p.name for p in (tmp_path / "guard").glob("*.capsule.pt"))
-    assert [c.split("-")[:2] for c in caps] == [[f"step{BAD_FSDP:07d}", "rank0"], [f"step{BAD_FSDP:07d}", "rank1"]]
-    # a rank's capsule holds the full weights: it replays on one process, on the unsharded model
+    # one capsule for the step: a directory both ranks wrote with torch.distributed.checkpoint (each its
+    # own shards, no full model gathered on any rank) and each its own rank file
+    assert not list((tmp_path / "guard").glob("*.capsule.pt"))
+    (cap,) = (tmp_path / "guard").glob(f"step{BAD_FSDP:07d}-*.capsule")
+    assert {p.name for p in cap.iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt"}
+    # every rank's log line is the command that replays it, and watch wrote one too
+    assert r0["guard_bad_lines"] == r1["guard_bad_lines"] == [f"--capsule {cap}"]
+    (wcap,) = (tmp_path / "watch_bad").glob(f"step{BAD_FSDP:07d}-*.capsule")
+    # it replays on one process, resharded into the unsharded model: same step, cause and phase, and the
+    # rank whose batch broke it
     from nanprobe.diagnose import diagnose
 
-    rank1 = next((tmp_path / "guard").glob("*-rank1-*.capsule.pt"))
-    report = diagnose(f"{FSDP2.parent / 'fsdp2_entry.py'}:target", capsule=rank1)
-    assert (report.step, report.top.cause.value, report.top.phase.value) == (BAD_FSDP, "data", "input")
+    for path in (cap, wcap):
+        report = diagnose(f"{FSDP2.parent / 'fsdp2_entry.py'}:target", capsule=str(path))
+        if path == cap:   # (watch's capsule holds the root module's inputs; its loss lives outside the model)
+            assert (report.step, report.top.cause.value, report.top.phase.value) == (BAD_FSDP, "data", "input")
+        assert report.step == BAD_FSDP and any(f.cause.value == "data" for f in report.findings)
+        assert report.extra["rank"]["rank"] == 1 and report.extra["rank"]["world_size"] == 2
+        assert report.to_json()["rank"]["rank"] == 1
+        if path == cap:
+            assert report.extra["rank"]["replayed"] == [{"rank": 0, "nonfinite": False},
+                                                        {"rank": 1, "nonfinite": True}]
+            assert report.notes[0].startswith("rank 1 of 2 produced the first non-finite value")
+        else:   # the model's output is not the loss: no rank's rerun sees it; the rank the run named is used
+            assert report.extra["rank"]["run_named"] == 1 and not report.extra["rank"]["reproduced"]
