@@ -26,7 +26,7 @@ from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .monitor import close_step, live_monitor
 from .precision import Precision, device_of, parse_precision, weights_precision
-from .sharding import full_value, weights_finite
+from .sharding import clip_norm, fsdp1_root, full_value, total_norm, weights_finite
 from .updates import UpdateCheck, describe, update_forensics
 from .state import RngTracker, capture_rng, module_tensor_attrs
 from .target import named
@@ -420,12 +420,13 @@ class Guard:
             self._unscale(scaler)
         params = self._params() if (max_grad_norm or checked) else []
         norm: torch.Tensor | float | None = None
-        if max_grad_norm and params:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        every_rank = fsdp1_root(self.model) is not None   # FSDP1: a rank may hold no gradient, yet reduces
+        if max_grad_norm and (params or every_rank):
+            norm = clip_norm(self.model, params, max_grad_norm)
         elif grad_norm is not None:
             norm = grad_norm
-        elif checked and params:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        elif checked and (params or every_rank):
+            norm = total_norm(self.model, [p.grad for p in params])   # FSDP1: shard norms summed over its group
         if not checked:
             self._apply(scaler)
             self._updates.unchecked()

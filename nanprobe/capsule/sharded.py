@@ -26,6 +26,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import CapsuleError, short_path
-from ..sharding import sharded
+from ..sharding import fsdp1_root, sharded
 from .codec import safe_value, unwrap
 
 DIR_SUFFIX = ".capsule"
@@ -48,11 +49,7 @@ def _ddp(model: torch.nn.Module) -> bool:
 
 def fsdp1(model: torch.nn.Module) -> bool:
     """The model is (or holds) FSDP1's ``FullyShardedDataParallel``."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover - a torch without FSDP
-        return False
-    return any(isinstance(m, FSDP) for m in model.modules())
+    return fsdp1_root(model) is not None
 
 
 def wanted(model: torch.nn.Module, world_size: int) -> bool:
@@ -98,10 +95,12 @@ def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) ->
     if fsdp1(model):   # flat parameters: FSDP1's own sharded state dicts, keyed by the original names
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        model_sd = get_model_state_dict(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # FSDP1's ShardedTensor and process-group deprecations
+            model_sd = get_model_state_dict(model)
+            osds = [get_optimizer_state_dict(model, opt) for opt in optimizers]
         tensors, metas = {}, []
-        for i, opt in enumerate(optimizers):
-            osd = get_optimizer_state_dict(model, opt)
+        for i, osd in enumerate(osds):
             t = {n: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for n, s in osd["state"].items()}
             rest = {n: {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)} for n, s in osd["state"].items()}
             tensors[str(i)] = t
@@ -116,6 +115,20 @@ def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) ->
         tensors[str(i)] = t
         metas.append(meta)
     return {"model": model_sd, "optimizers": tensors}, metas
+
+
+def _intact(t: torch.Tensor) -> bool:
+    """The tensor's storage holds every element it views (FSDP frees the unsharded parameters' storage)."""
+    if t.numel() == 0:
+        return True
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + span) * t.element_size()
+
+
+def _clean(name: str) -> str:
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _agree(value: str | None, error: str | None) -> str:
@@ -154,6 +167,16 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
     state, metas = _state(model, optimizers, dropped)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True))
     own = dict(data, model={}, optimizers=metas, sharded={"kind": KIND}, dropped=dropped)
+    attrs = (own.get("carried") or {}).get("attrs")
+    if isinstance(attrs, Mapping):   # FSDP1 keeps the original parameters as attributes: views of a freed buffer
+        kept = {q: v for q, v in attrs.items() if not isinstance(v, torch.Tensor) or _intact(v)}
+        dropped += [f"carried {q} (a view of freed memory)" for q in attrs if q not in kept]
+        own["carried"] = dict(own["carried"], attrs=kept)
+    if fsdp1(model):   # its parameters are flat shards: the original names and full shapes, as the state holds them
+        buffers = {_clean(n) for n, _ in model.named_buffers()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)   # ShardedTensor's deprecation: FSDP1 state dicts use it
+            own["fingerprint"] = [[k, list(v.size())] for k, v in state["model"].items() if k not in buffers]
     part = tmp / f".rank{rank}.part"
     with open(part, "xb") as fh:
         torch.save(own, fh)

@@ -53,7 +53,8 @@ from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
 from ..guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
-from ..sharding import full_value, sharded, weights_finite
+from ..sharding import fsdp1_root, full_value, sharded, weights_finite
+from ..sharding import total_norm as group_norm
 from ..updates import UpdateCheck, describe, update_finding, update_forensics
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
@@ -245,8 +246,9 @@ class HookedGuard:
         self.rngs.end_step()
         if self._attrs is None:   # after the first forward: tensors modules keep as attributes
             self._attrs = module_tensor_attrs(self.model)
-        if norm is None:
-            norm = total_norm(grads_of(optimizers))
+        if norm is None:   # FSDP1: the shard norms summed over its process group
+            norm = group_norm(self.model, grads_of(optimizers)) if fsdp1_root(self.model) is not None \
+                else total_norm(grads_of(optimizers))
         norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
         update, self._update = self._update, None
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
@@ -419,8 +421,8 @@ class HookedGuard:
         rng = rng_after[0] if rng_after else self.rngs.capture()
         # a step only another rank saw is finite here: the rank that saw it diagnoses it
         undiagnosed = None
-        if sharded(self.model):
-            undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP2), so no rank can rerun its "
+        if sharded(self.model) or fsdp1_root(self.model) is not None:
+            undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP), so no rank can rerun its "
                            "step alone; replay the capsule (`nanprobe run` loads its full weights on one process)")
         elif local and self.reports >= self.max_reports:
             undiagnosed = "not diagnosed in-process: max_reports reached; replay the capsule"
