@@ -103,3 +103,109 @@ def test_ddp_no_sync_accumulation_under_guard_and_watch(tmp_path):
     assert r0["watch_bad"] == [[BAD, False, "gradient norm is nan: rank 1's loss was non-finite and its gradients "
                                             "reached every rank", "skipped"]]
     _replays_to_rank1(tmp_path, "ddp_accum_entry.py")
+
+
+# -- a capsule directory on one process (made here without a process group: DCP saves on one process too) ----
+
+
+def _capsule_dir(tmp_path: Path, bad_rank: int = 1) -> Path:
+    """A sharded capsule of step 2 of a 2-rank run as the guard writes it: DCP files with the model and
+    AdamW state, and each rank's file (rank ``bad_rank``'s batch holds a NaN)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    import torch.nn as nn
+
+    from nanprobe.capsule import build, sharded
+    from nanprobe.state import capture_rng
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ((model(torch.randn(8, 4)) - 1) ** 2).mean().backward()
+    opt.step()
+    cap = tmp_path / "step0000002-20260101T000000-1.capsule"
+    cap.mkdir()
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors, meta = sharded._split_optimizer(opt, names, [], 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "no process group: assuming one process"
+        dcp.save({"model": model.state_dict(), "optimizers": {"0": tensors}}, checkpoint_id=cap)
+    g = torch.Generator().manual_seed(1)
+    for r in range(2):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        if r == bad_rank:
+            x[0, 0] = float("nan")
+        data = build(model=model, optimizers=[opt], schedulers=[], scalers=[], micro_batches=[(x, y)],
+                     rng=capture_rng("cpu"), micro_rng=None, step=2, precision="fp32", status="nonfinite",
+                     reason="loss is nan" if r == bad_rank else "another rank saw a non-finite value",
+                     record={"step": 2, "loss": float("nan") if r == bad_rank else 1.0, "finite": False},
+                     history=[], rank=r, world_size=2, local=r == bad_rank, max_grad_norm=1.0)
+        data.update(model={}, optimizers=[meta], sharded={"kind": "dcp"})
+        torch.save(data, cap / f"rank{r}.pt")
+    return cap
+
+
+def test_a_capsule_directory_replays_on_one_process_and_the_cli_names_the_rank(tmp_path):
+    from typer.testing import CliRunner
+
+    from nanprobe.capsule import sharded
+    from nanprobe.cli import app
+
+    cap = _capsule_dir(tmp_path)
+    state = sharded.load_state(cap)
+    assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(state["optimizers"]["0"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["run", f"{WATCH / 'fsdp2_entry.py'}:target", "--capsule", str(cap),
+                                      "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    report = json.loads(out.read_text())
+    assert report["step"] == 2 and report["findings"][0]["cause"] == "data"
+    assert report["rank"]["rank"] == 1 and report["rank"]["replayed"][1] == {"rank": 1, "nonfinite": True}
+    result = CliRunner().invoke(app, ["run", f"{WATCH / 'fsdp2_entry.py'}:target", "--capsule", str(cap)])
+    assert result.exit_code == 1 and "rank 1 of 2 produced the first non-finite value" in " ".join(result.output.split())
+    # `run --at 2` finds the directory in guard.capsule_dir
+    import dataclasses
+
+    from nanprobe.config import load_config
+    from nanprobe.diagnose import diagnose
+
+    cfg = load_config()
+    cfg = dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, capsule_dir=str(tmp_path)))
+    report = diagnose(f"{WATCH / 'fsdp2_entry.py'}:target", at=2, config=cfg)
+    assert (report.step, report.top.cause.value, report.extra["rank"]["rank"]) == (2, "data", 1)
+
+
+def test_a_capsule_directory_never_runs_code_and_says_what_is_missing(tmp_path):
+    from nanprobe.capsule import sharded
+    from nanprobe.errors import CapsuleError
+
+    cap = _capsule_dir(tmp_path)
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (cap / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CapsuleError, match="names (posix|os).system, which a capsule never holds"):
+        sharded.load_state(cap)
+    assert not marker.exists()
+    (tmp_path / "b").mkdir()
+    cap = _capsule_dir(tmp_path / "b")
+    (cap / "rank1.pt").unlink()
+    with pytest.raises(CapsuleError, match=r"lacks the file of rank\(s\) 1 of 2"):
+        sharded.read_dir(cap)
+
+
+def test_a_capsule_directory_too_big_for_this_machine_says_so(tmp_path, monkeypatch):
+    from nanprobe.capsule import sharded
+    from nanprobe.errors import CapsuleError
+
+    cap = _capsule_dir(tmp_path)
+    full = sharded.state_bytes(cap)
+    assert full == sum(4 * n for n in (32, 8, 8, 1)) * 3 + 4 * 4   # weights, two AdamW moments, 4 step counts
+    monkeypatch.setattr(sharded, "available_bytes", lambda: full)   # it needs twice that
+    with pytest.raises(CapsuleError, match="need .* GiB of memory on one process"):
+        sharded.read_dir(cap)

@@ -254,12 +254,20 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
 
 
 def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None = None,
-                   policy: str | None = None):
-    """For ``--at N``: the Reached state of a usable capsule for step N in cfg.guard.capsule_dir, or None.
+                   policy: str | None = None, extra: dict[str, Any] | None = None):
+    """For ``--at N``: the Reached state of a usable capsule for step N in cfg.guard.capsule_dir (a sharded
+    capsule's directory first, the newest), or None.
 
     Returns ``(reached_or_None, notes)``; capsules that cannot be used are skipped with a note.
     """
+    from .sharded import list_dirs
+
     notes: list[str] = []
+    for d in list_dirs(cfg.guard.capsule_dir, step):
+        try:
+            return reach_from_dir(d, loaded, cfg, precision=precision, policy=policy, extra=extra), []
+        except CapsuleError as err:
+            notes.append(f"capsule {d} for step {step} not used: {err.what}")
     candidates = []
     for p in list_capsules(cfg.guard.capsule_dir, step):
         try:
@@ -365,7 +373,7 @@ def capsule_reach(loaded, cfg, *, capsule: str | os.PathLike | None, at: int | N
                              "Drop --at (the capsule fixes the step) or give the capsule of that step")
         return reached, []
     if at is not None:
-        return reach_for_step(at, loaded, cfg, precision=precision, policy=policy)
+        return reach_for_step(at, loaded, cfg, precision=precision, policy=policy, extra=extra)
     return None, []
 
 

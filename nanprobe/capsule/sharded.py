@@ -131,6 +131,14 @@ def _clean(name: str) -> str:
     return name
 
 
+def _device() -> torch.device:
+    """Where the default group's collectives take tensors (NCCL: this rank's GPU)."""
+    dist = torch.distributed
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _agree(value: str | None, error: str | None) -> str:
     """Rank 0's ``value`` on every rank (one broadcast); rank 0's ``error`` raises OSError on every rank."""
     dist = torch.distributed
@@ -164,8 +172,15 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
             err = f"error: {exc.strerror or exc}"
     tmp = Path(_agree(None if tmp is None else str(tmp), err))
     dropped = list(data.get("dropped") or [])
-    state, metas = _state(model, optimizers, dropped)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True))
+    try:
+        state, metas = _state(model, optimizers, dropped)
+        # collective: a rank's failure is raised on every rank (DCP gathers them)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True))
+    except Exception as exc:  # noqa: BLE001 - every rank gets here together: no capsule, training goes on
+        if rank == 0:
+            remove(tmp)
+        raise OSError(f"torch.distributed.checkpoint failed: {type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ''}") from None
     own = dict(data, model={}, optimizers=metas, sharded={"kind": KIND}, dropped=dropped)
     attrs = (own.get("carried") or {}).get("attrs")
     if isinstance(attrs, Mapping):   # FSDP1 keeps the original parameters as attributes: views of a freed buffer
@@ -178,10 +193,20 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
             warnings.simplefilter("ignore", FutureWarning)   # ShardedTensor's deprecation: FSDP1 state dicts use it
             own["fingerprint"] = [[k, list(v.size())] for k, v in state["model"].items() if k not in buffers]
     part = tmp / f".rank{rank}.part"
-    with open(part, "xb") as fh:
-        torch.save(own, fh)
-    os.replace(part, tmp / f"rank{rank}.pt")
-    dist.barrier()
+    failed = torch.zeros(1)
+    try:
+        with open(part, "xb") as fh:
+            torch.save(own, fh)
+        os.replace(part, tmp / f"rank{rank}.pt")
+    except OSError:
+        failed += 1
+    # every rank's file is complete (and the barrier): one all-reduce, so a rank that failed stops none
+    flag = failed.to(_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        if rank == 0:
+            remove(tmp)
+        raise OSError("a rank could not write its file of the capsule")
     final = err = None
     if rank == 0:
         from .io import capsule_name
@@ -202,6 +227,15 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         else:
             err = f"error: no free capsule name in {folder}"
     return Path(_agree(final, err))
+
+
+def list_dirs(folder: str | os.PathLike, step: int) -> list[Path]:
+    """The capsule directories of step ``step`` in ``folder``, newest first; nothing is opened."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if (m := DIR_NAME.match(p.name)) and int(m.group(1)) == step and p.is_dir()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def is_capsule_dir(path: str | os.PathLike) -> bool:
@@ -271,11 +305,27 @@ def _planner():
     return SafePlanner()
 
 
+def _metadata(p: Path):
+    """The DCP metadata of capsule directory ``p``, read safely; CapsuleError when it is missing or names
+    anything but DCP's own metadata classes."""
+    if not (p / ".metadata").is_file():
+        raise CapsuleError(f"capsule directory {short_path(p)} has no DCP .metadata", str(p),
+                           "Copy the whole directory every rank wrote (it is incomplete)")
+    try:
+        return _reader(p).read_metadata()
+    except pickle.UnpicklingError as exc:
+        raise CapsuleError(f"{short_path(p / '.metadata')}: {exc}; refused to load it", str(p),
+                           "Use a capsule directory written by nanprobe") from None
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+        raise CapsuleError(f"{short_path(p / '.metadata')} is not DCP metadata ({type(exc).__name__})", str(p),
+                           "Copy the whole directory every rank wrote (it is damaged)") from None
+
+
 def state_bytes(path: str | os.PathLike) -> int:
     """The bytes of the full (unsharded) state a capsule directory holds, from its DCP metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = _reader(Path(path)).read_metadata()
+    md = _metadata(Path(path))
     total = 0
     for item in md.state_dict_metadata.values():
         if isinstance(item, TensorStorageMetadata):
@@ -306,9 +356,7 @@ def load_state(path: str | os.PathLike) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     p = Path(path)
-    if not (p / ".metadata").is_file():
-        raise CapsuleError(f"capsule directory {short_path(p)} has no DCP .metadata", str(p),
-                           "Copy the whole directory every rank wrote (it is incomplete)")
+    _metadata(p)   # read safely first: a damaged or foreign .metadata gets its own error
     state: dict[str, Any] = {}
     try:
         _load_state_dict(state, storage_reader=_reader(p), planner=_planner(), no_dist=True)
@@ -401,5 +449,5 @@ def read_dir(path: str | os.PathLike) -> tuple[list, dict[str, Any]]:
     return caps, load_state(p)
 
 
-__all__ = ["wanted", "write", "read_dir", "load_state", "optimizer_state", "is_capsule_dir", "remove", "fsdp1",
+__all__ = ["wanted", "write", "read_dir", "list_dirs", "load_state", "optimizer_state", "is_capsule_dir", "remove", "fsdp1",
            "state_bytes", "DIR_SUFFIX", "DIR_NAME"]
