@@ -178,7 +178,8 @@ class Guard:
     norm back in ONE device sync; RNG states are copied at step start (a few microseconds); weights
     are never copied: when an update is skipped, the weights "before the step" are the current ones.
     Under torch.distributed the bad flag is all-reduced (MAX) inside that same sync, so every rank
-    skips the same step; each rank writes its own capsule (rank in the file name).
+    skips the same step; each rank writes its own capsule (rank in the file name; under FSDP/DDP one
+    directory every rank writes into with torch.distributed.checkpoint: ``nanprobe.capsule.sharded``).
 
     A GradScaler's normal skipped steps (inf gradients while it lowers the scale) are not failures;
     a skip storm is (the scale falling below ``min_scale`` and still skipping, or ``max_scale_drop``
