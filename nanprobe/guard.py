@@ -663,6 +663,9 @@ class Guard:
             p = Path(path).resolve()
         except (OSError, RuntimeError):
             return False
+        if p.is_dir():   # a sharded capsule (FSDP/DDP): a directory of rank files and DCP shards
+            return p.parent == self.capsule_dir and bool(_capsule.sharded.DIR_NAME.match(p.name)) \
+                and _capsule.sharded.is_capsule_dir(p)
         if p.parent != self.capsule_dir or not _capsule.io.NAME.match(p.name) or not p.is_file():
             return False
         try:

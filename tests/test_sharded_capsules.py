@@ -209,3 +209,27 @@ def test_a_capsule_directory_too_big_for_this_machine_says_so(tmp_path, monkeypa
     monkeypatch.setattr(sharded, "available_bytes", lambda: full)   # it needs twice that
     with pytest.raises(CapsuleError, match="need .* GiB of memory on one process"):
         sharded.read_dir(cap)
+
+
+def test_one_rank_file_alone_says_to_pass_the_directory(tmp_path):
+    from nanprobe.diagnose import diagnose
+    from nanprobe.errors import CapsuleError
+
+    cap = _capsule_dir(tmp_path)
+    with pytest.raises(CapsuleError, match="rank 1's file of a sharded capsule") as err:
+        diagnose(f"{WATCH / 'fsdp2_entry.py'}:target", capsule=str(cap / "rank1.pt"))
+    assert f"--capsule {cap}" in str(err.value)
+
+
+def test_a_resumed_guard_keeps_its_capsule_directories(tmp_path):
+    import torch.nn as nn
+
+    from nanprobe.guard import Guard
+
+    cap = _capsule_dir(tmp_path)
+    model = nn.Linear(2, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), capsule_dir=tmp_path)
+    state = guard.state_dict()
+    state["capsules"] = [str(cap), str(tmp_path / "elsewhere.capsule")]
+    guard.load_state_dict(state)
+    assert guard.capsules == [cap.resolve()]

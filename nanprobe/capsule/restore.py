@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CapsuleError, UsageError
+from ..errors import CapsuleError, UsageError, short_path
 from ..precision import Precision, device_of, parse_precision
 from ..report import Status
 from .codec import decode_batch, fingerprint_difference, rng_from_safe
@@ -171,6 +171,11 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     cap = path if isinstance(path, Capsule) else read(path)
     target = loaded.target
     model = target.model
+    if isinstance(cap.data.get("sharded"), Mapping) and not cap.data.get("model"):
+        parent = Path(cap.path).parent
+        raise CapsuleError(f"{Path(cap.path).name} is rank {cap.rank}'s file of a sharded capsule (the weights are "
+                           f"in its directory's DCP files)", cap.path,
+                           f"Pass the directory: nanprobe run ENTRY --capsule {short_path(parent)}")
     check_model(cap, model)
     data = cap.data
     notes: list[str] = version_notes(cap)
