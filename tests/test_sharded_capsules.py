@@ -64,14 +64,17 @@ def _run(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[dict, dict]:
     return r0, r1
 
 
-def _replays_to_rank1(tmp_path: Path, entry: str) -> None:
+def _replays_to_rank1(tmp_path: Path, entry: str, runs: tuple[str, ...] = ("guard_bad", "watch_bad")) -> None:
     """The Guard's capsule of the bad step is one directory (DCP files, a file per rank); replayed on one
     process it names the step, the data and rank 1, whose batch alone is non-finite."""
     from nanprobe.diagnose import diagnose
 
+    for run in runs:   # one directory each, no capsule files
+        (cap,) = (tmp_path / run).glob(f"step{BAD:07d}-*.capsule")
+        names = {p.name for p in cap.iterdir()}
+        assert {".metadata", "rank0.pt", "rank1.pt"} <= names and any(n.endswith(".distcp") for n in names)
+        assert not list((tmp_path / run).glob("*.capsule.pt"))
     (cap,) = (tmp_path / "guard_bad").glob(f"step{BAD:07d}-*.capsule")
-    names = {p.name for p in cap.iterdir()}
-    assert {".metadata", "rank0.pt", "rank1.pt"} <= names and any(n.endswith(".distcp") for n in names)
     report = diagnose(f"{WATCH / entry}:target", capsule=str(cap))
     assert (report.step, report.top.cause.value, report.top.phase.value) == (BAD, "data", "input")
     assert report.extra["rank"]["rank"] == 1
@@ -102,7 +105,9 @@ def test_ddp_no_sync_accumulation_under_guard_and_watch(tmp_path):
     assert r1["watch_bad"] == [[BAD, True, "loss is nan", "skipped"]]
     assert r0["watch_bad"] == [[BAD, False, "gradient norm is nan: rank 1's loss was non-finite and its gradients "
                                             "reached every rank", "skipped"]]
-    _replays_to_rank1(tmp_path, "ddp_accum_entry.py")
+    # watch sees the module inside DistributedDataParallel (nothing says it is wrapped): a file per rank
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "watch_bad").glob("*.capsule.pt")) == ["rank0", "rank1"]
+    _replays_to_rank1(tmp_path, "ddp_accum_entry.py", runs=("guard_bad",))
 
 
 # -- a capsule directory on one process (made here without a process group: DCP saves on one process too) ----
