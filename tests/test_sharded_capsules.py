@@ -113,7 +113,7 @@ def test_ddp_no_sync_accumulation_under_guard_and_watch(tmp_path):
 # -- a capsule directory on one process (made here without a process group: DCP saves on one process too) ----
 
 
-def _capsule_dir(tmp_path: Path, bad_rank: int = 1) -> Path:
+def _capsule_dir(tmp_path: Path, bad_rank: int = 1, status: str = "nonfinite") -> Path:
     """A sharded capsule of step 2 of a 2-rank run as the guard writes it: DCP files with the model and
     AdamW state, and each rank's file (rank ``bad_rank``'s batch holds a NaN)."""
     import warnings
@@ -142,7 +142,7 @@ def _capsule_dir(tmp_path: Path, bad_rank: int = 1) -> Path:
         if r == bad_rank:
             x[0, 0] = float("nan")
         data = build(model=model, optimizers=[opt], schedulers=[], scalers=[], micro_batches=[(x, y)],
-                     rng=capture_rng("cpu"), micro_rng=None, step=2, precision="fp32", status="nonfinite",
+                     rng=capture_rng("cpu"), micro_rng=None, step=2, precision="fp32", status=status,
                      reason="loss is nan" if r == bad_rank else "another rank saw a non-finite value",
                      record={"step": 2, "loss": float("nan") if r == bad_rank else 1.0, "finite": False},
                      history=[], rank=r, world_size=2, local=r == bad_rank, max_grad_norm=1.0)
@@ -238,3 +238,16 @@ def test_a_resumed_guard_keeps_its_capsule_directories(tmp_path):
     state["capsules"] = [str(cap), str(tmp_path / "elsewhere.capsule")]
     guard.load_state_dict(state)
     assert guard.capsules == [cap.resolve()]
+
+
+def test_a_spike_capsule_directory_is_the_rank_that_saw_it(tmp_path):
+    from nanprobe.capsule import capsule_reach
+    from nanprobe.config import load_config
+    from nanprobe.entry import load_target
+
+    cap = _capsule_dir(tmp_path, bad_rank=0, status="spike")
+    loaded = load_target(f"{WATCH / 'fsdp2_entry.py'}:target")
+    extra: dict = {}
+    reached, _ = capsule_reach(loaded, load_config(), capsule=str(cap), at=None, extra=extra)
+    assert extra["rank"]["rank"] == 0 and extra["rank"]["replayed"] == [] and not extra["rank"]["reproduced"]
+    assert reached.notes[0].startswith("the step is a spike (finite values); diagnosing rank 0's step")

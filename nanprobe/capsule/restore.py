@@ -327,10 +327,12 @@ def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str 
         else:   # reach_from_capsule says what differs
             data["optimizers"] = [dict(m) for m in metas]
     world = caps[0].world_size
-    named = next((c.rank for c in caps if c.local and c.status is Status.NONFINITE), None)
+    named = next((c.rank for c in caps if c.local and c.status is Status.NONFINITE),
+                 next((c.rank for c in caps if c.local), None))
     tried: list[dict[str, Any]] = []
     chosen = None
-    for cap in caps:
+    spike = all(c.status is Status.SPIKE for c in caps)   # finite values: a rerun per rank cannot tell them apart
+    for cap in () if spike else caps:
         reached = reach_from_capsule(cap, loaded, cfg, precision=precision, policy=policy)
         bad = _rank_bad(loaded, reached)
         tried.append({"rank": cap.rank, "nonfinite": bad})
@@ -341,9 +343,11 @@ def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str 
         pick = next((c for c in caps if c.rank == named), caps[0])
         chosen = reach_from_capsule(pick, loaded, cfg, precision=precision, policy=policy)
         rank = pick.rank
-        line = (f"no rank's batch alone gave a non-finite value when replayed on the full model (ranks "
-                f"{', '.join(str(t['rank']) for t in tried)} of {world}); diagnosing rank {rank}'s step, "
-                f"the rank {'whose loss the run saw non-finite' if named is not None else 'of the first file'}")
+        why = "the step is a spike (finite values)" if spike else (
+            f"no rank's batch alone gave a non-finite value when replayed on the full model (ranks "
+            f"{', '.join(str(t['rank']) for t in tried)} of {world})")
+        line = (f"{why}; diagnosing rank {rank}'s step, the rank "
+                f"{'that saw it in the run' if named is not None else 'of the first file'}")
     else:
         rank = tried[-1]["rank"]
         fine = [t["rank"] for t in tried[:-1]]
