@@ -59,9 +59,46 @@ def test_all_ranks_skip_the_same_step_and_write_their_own_capsule(tmp_path):
     assert r0["applied"] == r1["applied"] == expected
     assert r1["events"] == [[BAD_ON_RANK1, True, 1]]      # rank 1 saw it
     assert r0["events"] == [[BAD_ON_RANK1, False, 0]]     # rank 0 skipped because rank 1 did
+    # the ranks' weights and optimizer state are still bitwise the same (only rank 1's batch differs): one
+    # capsule directory, each rank its own file, the tensors written once
+    (cap,) = tmp_path.glob(f"step{BAD_ON_RANK1:07d}-*.capsule")
+    assert {"rank0.pt", "rank1.pt", ".metadata"} <= {p.name for p in cap.iterdir()}
+    assert not list(tmp_path.glob("*.capsule.pt"))
+
+
+def _own_weights_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    sys.path.insert(0, str(ASSETS))
+    import guard_nan  # noqa: PLC0415 - the test asset, imported in the child
+
+    from nanprobe.guard import Guard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(rank)   # each rank its own weights: nothing is replicated
+        t = guard_nan.build(bad_step=BAD_ON_RANK1 if rank == 1 else -1)
+        model, opt = t["model"], t["optimizer"]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * rank)
+        guard = Guard(model, opt, capsule_dir=out_dir)
+        for batch in t["batches"][:BAD_ON_RANK1 + 1]:
+            with guard.step(batch):
+                opt.zero_grad(set_to_none=True)
+                guard.backward(t["loss_fn"](model, batch))
+            guard.optimizer_step()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_ranks_with_their_own_weights_write_a_capsule_file_each(tmp_path):
+    mp.spawn(_own_weights_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     names = sorted(p.name for p in tmp_path.glob("*.capsule.pt"))
-    assert len(names) == 2
-    assert any("-rank0-" in n for n in names) and any("-rank1-" in n for n in names)
+    assert [n.split("-")[:2] for n in names] == [[f"step{BAD_ON_RANK1:07d}", "rank0"],
+                                                 [f"step{BAD_ON_RANK1:07d}", "rank1"]]
+    assert not list(tmp_path.glob("*.capsule"))
 
 
 # -- FSDP2 (fully_shard): DTensor gradients; the same weights as without nanprobe ---------------------------

@@ -105,9 +105,8 @@ def test_ddp_no_sync_accumulation_under_guard_and_watch(tmp_path):
     assert r1["watch_bad"] == [[BAD, True, "loss is nan", "skipped"]]
     assert r0["watch_bad"] == [[BAD, False, "gradient norm is nan: rank 1's loss was non-finite and its gradients "
                                             "reached every rank", "skipped"]]
-    # watch sees the module inside DistributedDataParallel (nothing says it is wrapped): a file per rank
-    assert sorted(p.name.split("-")[1] for p in (tmp_path / "watch_bad").glob("*.capsule.pt")) == ["rank0", "rank1"]
-    _replays_to_rank1(tmp_path, "ddp_accum_entry.py", runs=("guard_bad",))
+    # (watch sees the module inside DistributedDataParallel: its replicas are found equal, one directory too)
+    _replays_to_rank1(tmp_path, "ddp_accum_entry.py")
 
 
 # -- a capsule directory on one process (made here without a process group: DCP saves on one process too) ----

@@ -74,7 +74,7 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
 
     dropped: list[str] = []
     module = unwrap(model)
-    dcp = sharded.wanted(model, world_size)   # FSDP/DDP: tensors go to DCP when written, not gathered here
+    dcp = sharded.wanted(model, world_size, optimizers)   # FSDP/DDP: tensors go to DCP when written, not gathered
     device = device_of(module)
     scheds = []
     for i, s in enumerate(schedulers):

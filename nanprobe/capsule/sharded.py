@@ -52,15 +52,48 @@ def fsdp1(model: torch.nn.Module) -> bool:
     return fsdp1_root(model) is not None
 
 
-def wanted(model: torch.nn.Module, world_size: int) -> bool:
+def wanted(model: torch.nn.Module, world_size: int, optimizers: list[Any] = ()) -> bool:
     """A capsule of this model is a DCP directory: a multi-rank run of FSDP2, FSDP1 or DDP (a model the
-    ranks shard, or replicate). Any other model (each rank its own weights) keeps one file per rank."""
+    ranks shard, or replicate), or a model every rank holds bitwise the same copy of with the same
+    optimizer state (the module inside DDP, as ``watch`` and the callbacks see it: :func:`replicated`,
+    two all-reduces). Any other model (each rank its own weights) keeps one file per rank. Every rank
+    must call this (it may communicate)."""
     if world_size <= 1:
         return False
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return _ddp(model) or sharded(unwrap(model)) or fsdp1(model)
+    return _ddp(model) or sharded(unwrap(model)) or fsdp1(model) or replicated(unwrap(model), optimizers)
+
+
+def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two float64 sums per tensor (plain and position-weighted): bitwise copies give the same values."""
+    out = []
+    for t in tensors:
+        v = t.detach().reshape(-1).to(torch.float64)
+        w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device) / max(v.numel(), 1)
+        out.append(torch.stack([v.sum(), (v * w).sum()]))
+    return torch.cat(out).to(device) if out else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
+    """Every rank holds the same weights, buffers and optimizer state (DDP's replicas): each rank's
+    checksums, all-reduced as max and -min, agree (a NaN never does). Every rank must call this."""
+    dist = torch.distributed
+    tensors = [v for v in module.state_dict().values() if isinstance(v, torch.Tensor)]
+    for opt in optimizers:
+        for p in (q for g in opt.param_groups for q in g["params"]):
+            tensors += [v for _, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+    device = _device()
+    count = torch.tensor([len(tensors), -len(tensors)], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if count[0].item() != -count[1].item():
+        return False
+    sums = _checksums(tensors, device)
+    both = torch.cat([sums, -sums])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    n = sums.numel()
+    return bool(torch.equal(both[:n], -both[n:])) if n else True
 
 
 # -- writing --------------------------------------------------------------------------------------------
