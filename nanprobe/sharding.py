@@ -72,16 +72,18 @@ def sharded(model: torch.nn.Module) -> bool:
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
-    """Every weight is finite (one sync). Sharded weights (FSDP2, FSDP1): each rank checks its shard and
-    the flag is all-reduced, so every rank gets the same answer (call it on every rank)."""
+    """Every weight is finite (one sync). Under torch.distributed each rank checks its own weights (its
+    shard, when sharded) and the flag is all-reduced, so every rank gets the same answer and takes the
+    same path after it (a capsule is written by every rank or none): call it on every rank."""
     shards = [local_value(p.detach()) for p in model.parameters()]
     ok = torch.stack([torch.isfinite(p).all() for p in shards]).all() if shards else torch.tensor(True)
-    if sharded(model) or fsdp1_root(model) is not None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            flag = ok.float().reshape(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            return bool(flag.item() > 0)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        flag = ok.float().reshape(1).to(device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
     return bool(ok)
 
 
