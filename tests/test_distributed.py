@@ -175,6 +175,15 @@ def test_fsdp2_guard_and_watch_keep_healthy_weights_and_name_the_rank_that_broke
     assert not list((tmp_path / "guard").glob("*.capsule.pt"))
     (cap,) = (tmp_path / "guard").glob(f"step{BAD_FSDP:07d}-*.capsule")
     assert {p.name for p in cap.iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt"}
+    # the state it holds, resharded on one process, is bitwise the full state the run had before the step
+    from nanprobe.capsule import sharded
+
+    before, state = torch.load(tmp_path / "guard_bad.pt.before"), sharded.load_state(cap)
+    assert before["model"].keys() == state["model"].keys()
+    assert all(torch.equal(before["model"][k], state["model"][k]) for k in before["model"])
+    assert before["optimizer"].keys() == state["optimizers"]["0"].keys()
+    assert all(torch.equal(v, state["optimizers"]["0"][n][k]) for n, st in before["optimizer"].items()
+               for k, v in st.items())
     # every rank's log line is the command that replays it, and watch wrote one too
     assert r0["guard_bad_lines"] == r1["guard_bad_lines"] == [f"--capsule {cap}"]
     (wcap,) = (tmp_path / "watch_bad").glob(f"step{BAD_FSDP:07d}-*.capsule")

@@ -130,6 +130,7 @@ def _capsule_dir(tmp_path: Path, bad_rank: int = 1, status: str = "nonfinite") -
     opt.step()
     cap = tmp_path / "step0000002-20260101T000000-1.capsule"
     cap.mkdir()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "reference.pt")
     names = {id(p): n for n, p in model.named_parameters()}
     tensors, meta = sharded._split_optimizer(opt, names, [], 0)
     with warnings.catch_warnings():
@@ -250,3 +251,11 @@ def test_a_spike_capsule_directory_is_the_rank_that_saw_it(tmp_path):
     reached, _ = capsule_reach(loaded, load_config(), capsule=str(cap), at=None, extra=extra)
     assert extra["rank"]["rank"] == 0 and extra["rank"]["replayed"] == [] and not extra["rank"]["reproduced"]
     assert reached.notes[0].startswith("the step is a spike (finite values); diagnosing rank 0's step")
+    # the entrypoint's model and optimizer hold bitwise the state the capsule was written from
+    ref = torch.load(tmp_path / "reference.pt")
+    model, opt = loaded.target.model, loaded.target.optimizers[0][1]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in ref["model"].items())
+    live = opt.state_dict()
+    assert live["param_groups"] == ref["optimizer"]["param_groups"]
+    assert live["state"].keys() == ref["optimizer"]["state"].keys()
+    assert all(torch.equal(v, live["state"][i][k]) for i, st in ref["optimizer"]["state"].items() for k, v in st.items())

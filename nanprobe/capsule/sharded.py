@@ -472,11 +472,13 @@ def read_dir(path: str | os.PathLike) -> tuple[list, dict[str, Any]]:
         raise CapsuleError(f"the capsule lacks the file of rank(s) {', '.join(map(str, missing))} of "
                            f"{first.world_size}", where,
                            "Copy the whole directory: every rank writes its own rankR.pt and __R_0.distcp")
-    need, have = 2 * state_bytes(p), available_bytes()   # read in full, then copied into the model/optimizer
+    # the state read in full, and the replay's own copy of it (restored between reruns); the entrypoint's
+    # model is already allocated
+    need, have = 2 * state_bytes(p), available_bytes()
     if have is not None and need > have:
         raise CapsuleError(f"the full model and optimizer state of this capsule need {need / 2**30:.1f} GiB of "
-                           f"memory on one process (read, then copied into the model), {have / 2**30:.1f} GiB are "
-                           "available", where,
+                           f"memory on one process (read in full, and the replay's copy to restore between reruns), "
+                           f"{have / 2**30:.1f} GiB are available", where,
                            "Replay it on a machine with more memory (replaying it sharded under torchrun is not "
                            "supported yet)")
     return caps, load_state(p)
