@@ -5,7 +5,7 @@ Every rank of the run writes into the same directory, ``stepNNNNNNN-<time>-<pid>
 * the model and optimizer tensors through ``torch.distributed.checkpoint`` (DCP: ``.metadata`` and
   one ``__R_0.distcp`` file per rank). Each rank writes its own shards only: no rank gathers the full
   model (FSDP); a tensor every rank holds the same copy of (DDP's weights and optimizer state) is
-  written once, by one rank (DCP's de-duplication);
+  written once (DCP's de-duplication spreads those tensors over the ranks);
 * ``rankR.pt``: that rank's small capsule file (batches, RNG states, record, history, settings, the
   optimizers' hyper-parameters), the same codec as a single-file capsule, loaded with
   ``torch.load(weights_only=True)``.
