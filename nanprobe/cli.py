@@ -82,8 +82,10 @@ PolicyOpt = Annotated[str, typer.Option("--autocast-policy",
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Move the model, optimizer state and batches "
                                                                   "to this device first (cpu, cuda, cuda:1).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every finding's fixes and the history.")]
-CapsuleOpt = Annotated[Optional[Path], typer.Option("--capsule", metavar="FILE",
-                                                    help="Replay exactly the step a nanprobe.Guard capsule holds.")]
+CapsuleOpt = Annotated[Optional[Path], typer.Option("--capsule", metavar="PATH",
+                                                    help="Replay exactly the step a nanprobe.Guard capsule holds: "
+                                                         "a capsule file, or a sharded capsule's directory "
+                                                         "(FSDP/DDP; replayed on one process, naming the rank).")]
 
 _debug = False
 

@@ -357,9 +357,13 @@ def diagnose(entry: str, *, at: int | None = None, precision: str | None = None,
     from .capsule import capsule_reach
     loaded = load_target(entry, device=device)
     config = config or load_config()
-    reached, notes = capsule_reach(loaded, config, capsule=capsule, at=at, precision=precision, policy=policy)
+    extra: dict = {}   # a sharded capsule (directory): the rank replayed
+    reached, notes = capsule_reach(loaded, config, capsule=capsule, at=at, precision=precision, policy=policy,
+                                   extra=extra)
     report = diagnose_target(loaded, at=at, precision=precision, config=config, max_steps=max_steps,
                              on_progress=on_progress, policy=policy, reached=reached)
+    if extra:
+        report = replace(report, extra={**report.extra, **extra})
     return replace(report, notes=tuple(notes) + report.notes) if notes else report
 
 

@@ -26,7 +26,7 @@ from .divergence import Divergence, Rules
 from .errors import EXIT_FOUND, NanprobeError, UsageError
 from .monitor import close_step, live_monitor
 from .precision import Precision, device_of, parse_precision, weights_precision
-from .sharding import full_value, weights_finite
+from .sharding import clip_norm, fsdp1_root, full_value, total_norm, weights_finite
 from .updates import UpdateCheck, describe, update_forensics
 from .state import RngTracker, capture_rng, module_tensor_attrs
 from .target import named
@@ -178,7 +178,8 @@ class Guard:
     norm back in ONE device sync; RNG states are copied at step start (a few microseconds); weights
     are never copied: when an update is skipped, the weights "before the step" are the current ones.
     Under torch.distributed the bad flag is all-reduced (MAX) inside that same sync, so every rank
-    skips the same step; each rank writes its own capsule (rank in the file name).
+    skips the same step; each rank writes its own capsule (rank in the file name; under FSDP/DDP one
+    directory every rank writes into with torch.distributed.checkpoint: ``nanprobe.capsule.sharded``).
 
     A GradScaler's normal skipped steps (inf gradients while it lowers the scale) are not failures;
     a skip storm is (the scale falling below ``min_scale`` and still skipping, or ``max_scale_drop``
@@ -420,12 +421,13 @@ class Guard:
             self._unscale(scaler)
         params = self._params() if (max_grad_norm or checked) else []
         norm: torch.Tensor | float | None = None
-        if max_grad_norm and params:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        every_rank = fsdp1_root(self.model) is not None   # FSDP1: a rank may hold no gradient, yet reduces
+        if max_grad_norm and (params or every_rank):
+            norm = clip_norm(self.model, params, max_grad_norm)
         elif grad_norm is not None:
             norm = grad_norm
-        elif checked and params:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        elif checked and (params or every_rank):
+            norm = total_norm(self.model, [p.grad for p in params])   # FSDP1: shard norms summed over its group
         if not checked:
             self._apply(scaler)
             self._updates.unchecked()
@@ -649,7 +651,7 @@ class Guard:
                               history=list(self._history), entry=self.entry, rank=rank, world_size=world,
                               local=local, max_grad_norm=max_grad_norm, carried=carried,
                               grad_scaler=scaler is not None)
-        path = _capsule.write(data, self.capsule_dir)
+        path = _capsule.write(data, self.capsule_dir, model=self.model, optimizers=self.optimizers)
         self.capsules.append(path)
         _capsule.prune(self.capsules, self.cfg.max_capsules, self._own_capsule)
         return path
@@ -661,6 +663,9 @@ class Guard:
             p = Path(path).resolve()
         except (OSError, RuntimeError):
             return False
+        if p.is_dir():   # a sharded capsule (FSDP/DDP): a directory of rank files and DCP shards
+            return p.parent == self.capsule_dir and bool(_capsule.sharded.DIR_NAME.match(p.name)) \
+                and _capsule.sharded.is_capsule_dir(p)
         if p.parent != self.capsule_dir or not _capsule.io.NAME.match(p.name) or not p.is_file():
             return False
         try:

@@ -13,14 +13,18 @@ Size: the state's bytes plus the step's batches: about 12 bytes per parameter fo
 Adam/AdamW (4 for the weights, 8 for the two moments), 4 with plain SGD, 8 with SGD + momentum.
 Writing streams each tensor from its own memory (CUDA tensors through host memory one at a time);
 reading maps the file, so neither holds a second full copy of the state.
+
+Under FSDP2, FSDP1 or DDP (several ranks) a capsule is a directory every rank writes into, the tensors
+through torch.distributed.checkpoint: see :mod:`nanprobe.capsule.sharded`.
 """
 
 from .codec import compiled_graphs, decode_batch, encode_batch, fingerprint, rng_from_safe, rng_to_safe, safe_value, unwrap
 from .io import (FORMAT, SUFFIX, Capsule, build, carried_attrs, list_capsules, no_room, prune, read, record_dict,
-                 replay_command, to_record, write)
+                 replay_command, report_stem, to_record, write)
+from . import sharded
 from .restore import build_from_reached, capsule_reach, check_model, reach_for_step, reach_from_capsule
 
 __all__ = ["Capsule", "build", "write", "read", "check_model", "reach_from_capsule", "reach_for_step", "capsule_reach",
            "list_capsules", "fingerprint", "encode_batch", "decode_batch", "rng_to_safe", "rng_from_safe",
-           "safe_value", "unwrap", "record_dict", "to_record", "replay_command", "no_room", "prune", "carried_attrs",
-           "build_from_reached", "compiled_graphs", "FORMAT", "SUFFIX"]
+           "safe_value", "unwrap", "record_dict", "to_record", "replay_command", "report_stem", "no_room", "prune", "carried_attrs",
+           "build_from_reached", "compiled_graphs", "sharded", "FORMAT", "SUFFIX"]

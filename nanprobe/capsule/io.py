@@ -70,8 +70,11 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
           threads: int | None = None, position: dict[str, Any] | None = None,
           carried: dict[str, Any] | None = None, grad_scaler: bool = False, form: str = "loss_fn") -> dict[str, Any]:
     """Everything to replay one step, as a dict that torch.load(weights_only=True) accepts."""
+    from . import sharded
+
     dropped: list[str] = []
     module = unwrap(model)
+    dcp = sharded.wanted(model, world_size, optimizers)   # FSDP/DDP: tensors go to DCP when written, not gathered
     device = device_of(module)
     scheds = []
     for i, s in enumerate(schedulers):
@@ -99,8 +102,9 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         "max_grad_norm": None if max_grad_norm is None else float(max_grad_norm),
         "fingerprint": fingerprint(module),
         "compiled": compiled_graphs() > 0,   # the run used torch.compile: its numerics are not eager's
-        "model": OrderedDict((k, full_value(v.detach())) for k, v in module.state_dict().items()),
-        "optimizers": [safe_value(o.state_dict(), dropped, f"optimizer[{i}]") for i, o in enumerate(optimizers)],
+        "model": {} if dcp else OrderedDict((k, full_value(v.detach())) for k, v in module.state_dict().items()),
+        "optimizers": [] if dcp else [safe_value(o.state_dict(), dropped, f"optimizer[{i}]")
+                                      for i, o in enumerate(optimizers)],
         # tensors the optimizers step outside the model: float32 master copies of fp16/bf16 weights
         "masters": _masters(module, optimizers),
         "schedulers": scheds,
@@ -115,6 +119,8 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         "record": safe_value(record, dropped, "record"),
         "history": safe_value(list(history), dropped, "history"),
     }
+    if dcp:
+        data["sharded"] = {"kind": sharded.KIND}
     data["dropped"] = dropped
     return data
 
@@ -125,11 +131,20 @@ def capsule_name(step: int, rank: int, attempt: int = 0) -> str:
     return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{extra}{SUFFIX}"
 
 
-def write(data: dict[str, Any], folder: str | os.PathLike) -> Path:
+def write(data: dict[str, Any], folder: str | os.PathLike, *, model: torch.nn.Module | None = None,
+          optimizers: list[Any] | None = None) -> Path:
     """Save a capsule under a new, unique name in ``folder``; never replaces an existing file.
 
-    The file appears complete or not at all (written to a temporary name, then hard-linked).
+    The file appears complete or not at all (written to a temporary name, then hard-linked). A capsule
+    ``build`` made sharded (FSDP/DDP under torch.distributed) is a directory every rank writes into
+    (``capsule.sharded``): it needs the live ``model`` and ``optimizers``, and every rank must call this.
     """
+    if data.get("sharded"):
+        from . import sharded
+
+        if model is None:
+            raise ValueError("a sharded capsule is written from the live model: pass model= and optimizers=")
+        return sharded.write(data, folder, model, list(optimizers or []))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".tmp-{os.getpid()}-{random.SystemRandom().getrandbits(48):012x}{SUFFIX}"
@@ -377,6 +392,12 @@ def prune(capsules: list[Path], limit: int, may_delete: Callable[[Path], bool] =
     bad step) and the newest stay; the files of the others are deleted where ``may_delete`` allows."""
     while len(capsules) > limit:
         old = capsules.pop(1)
+        if old.is_dir():   # a sharded capsule's directory (every rank may get here: missing files are fine)
+            from .sharded import DIR_NAME, remove
+
+            if DIR_NAME.match(old.name):
+                remove(old)
+            continue
         if may_delete(old):
             try:
                 old.unlink()
@@ -391,10 +412,21 @@ def carried_attrs(carried: Mapping[str, Any]) -> dict[str, Any]:
     return {"attrs": {q: v for q, v in carried.items() if v is None or isinstance(v, (torch.Tensor, tuple, list))}}
 
 
+def report_stem(capsule: Path, rank: int) -> str:
+    """The name (no suffix) of a report written beside capsule ``capsule``: a capsule file's own stem; a
+    sharded capsule's directory (one for every rank) with the rank added."""
+    from .sharded import DIR_SUFFIX
+
+    if capsule.name.endswith(SUFFIX):
+        return capsule.name[:-len(SUFFIX)]
+    return f"{capsule.name.removesuffix(DIR_SUFFIX)}-rank{rank}"
+
+
 def replay_command(entry: str | None, path: str | os.PathLike) -> str:
     """The command that replays capsule ``path`` (``ENTRY`` where the entrypoint is not known)."""
     return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --capsule {shlex.quote(short_path(path))}"
 
 
 __all__ = ["Capsule", "build", "write", "read", "list_capsules", "record_dict", "to_record", "replay_command",
+           "report_stem",
            "no_room", "prune", "carried_attrs", "FORMAT", "SUFFIX", "NAME"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CapsuleError, UsageError
+from ..errors import CapsuleError, UsageError, short_path
 from ..precision import Precision, device_of, parse_precision
 from ..report import Status
 from .codec import decode_batch, fingerprint_difference, rng_from_safe, unwrap
@@ -193,6 +193,11 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     cap = path if isinstance(path, Capsule) else read(path)
     target = loaded.target
     model = target.model
+    if isinstance(cap.data.get("sharded"), Mapping) and not cap.data.get("model"):
+        parent = Path(cap.path).parent
+        raise CapsuleError(f"{Path(cap.path).name} is rank {cap.rank}'s file of a sharded capsule (the weights are "
+                           f"in its directory's DCP files)", cap.path,
+                           f"Pass the directory: nanprobe run ENTRY --capsule {short_path(parent)}")
     check_model(cap, model)
     data = cap.data
     notes: list[str] = version_notes(cap)
@@ -278,12 +283,20 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
 
 
 def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None = None,
-                   policy: str | None = None):
-    """For ``--at N``: the Reached state of a usable capsule for step N in cfg.guard.capsule_dir, or None.
+                   policy: str | None = None, extra: dict[str, Any] | None = None):
+    """For ``--at N``: the Reached state of a usable capsule for step N in cfg.guard.capsule_dir (a sharded
+    capsule's directory first, the newest), or None.
 
     Returns ``(reached_or_None, notes)``; capsules that cannot be used are skipped with a note.
     """
+    from .sharded import list_dirs
+
     notes: list[str] = []
+    for d in list_dirs(cfg.guard.capsule_dir, step):
+        try:
+            return reach_from_dir(d, loaded, cfg, precision=precision, policy=policy, extra=extra), []
+        except CapsuleError as err:
+            notes.append(f"capsule {d} for step {step} not used: {err.what}")
     candidates = []
     for p in list_capsules(cfg.guard.capsule_dir, step):
         try:
@@ -302,21 +315,98 @@ def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None 
     return reached, []
 
 
+def _rank_bad(loaded, reached) -> bool:
+    """This rank's batch, rerun once (uninstrumented, up to its update) on the restored state, gives a
+    non-finite loss or gradient; the objects end as they were."""
+    from ..rerun import run_step
+
+    trace = run_step(loaded.target, reached, reached.precision, where=loaded.where, instrument=False,
+                     tolerate_errors=True, restore_after=True, ratios=False, update=False)
+    return trace.exc is None and trace.record is not None and not trace.record.finite
+
+
+def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str | Precision | None = None,
+                   policy: str | None = None, extra: dict[str, Any] | None = None):
+    """A sharded capsule (a directory: FSDP2/FSDP1/DDP, one rank file each) on ONE process: the full state
+    goes into the entrypoint's unsharded model and optimizers; each rank's batch is rerun in rank order on
+    it, and the first rank whose batch gives a non-finite value is the step diagnosed (none: the rank the
+    run itself named). ``extra`` (filled in): the ranks replayed, for the report."""
+    from . import sharded
+
+    caps, state = sharded.read_dir(path)
+    target = loaded.target
+    module = target.model
+    where = str(path)
+    for cap in caps:
+        check_model(cap, module)
+    saved = state.get("optimizers") or {}
+    live = target.optimizers
+    for cap in caps:
+        metas = cap.data.get("optimizers") or []
+        data = cap.data
+        data["model"] = state.get("model") or {}
+        if len(metas) == len(live):
+            data["optimizers"] = [_field(cap, "optimizers", lambda m=m, i=i, o=o: sharded.optimizer_state(
+                m, saved.get(str(i)) or {}, o, module, where)) for i, (m, (_, o)) in enumerate(zip(metas, live))]
+        else:   # reach_from_capsule says what differs
+            data["optimizers"] = [dict(m) for m in metas]
+    world = caps[0].world_size
+    named = next((c.rank for c in caps if c.local and c.status is Status.NONFINITE),
+                 next((c.rank for c in caps if c.local), None))
+    tried: list[dict[str, Any]] = []
+    chosen = None
+    spike = all(c.status is Status.SPIKE for c in caps)   # finite values: a rerun per rank cannot tell them apart
+    for cap in () if spike else caps:
+        reached = reach_from_capsule(cap, loaded, cfg, precision=precision, policy=policy)
+        bad = _rank_bad(loaded, reached)
+        tried.append({"rank": cap.rank, "nonfinite": bad})
+        if bad:
+            chosen = reached
+            break
+    if chosen is None:   # no rank's batch alone reproduces it: the rank the run named (else rank 0)
+        pick = next((c for c in caps if c.rank == named), caps[0])
+        chosen = reach_from_capsule(pick, loaded, cfg, precision=precision, policy=policy)
+        rank = pick.rank
+        why = "the step is a spike (finite values)" if spike else (
+            f"no rank's batch alone gave a non-finite value when replayed on the full model (ranks "
+            f"{', '.join(str(t['rank']) for t in tried)} of {world})")
+        line = (f"{why}; diagnosing rank {rank}'s step, the rank "
+                f"{'that saw it in the run' if named is not None else 'of the first file'}")
+    else:
+        rank = tried[-1]["rank"]
+        fine = [t["rank"] for t in tried[:-1]]
+        line = (f"rank {rank} of {world} produced the first non-finite value: its batch, replayed on the full "
+                f"(resharded) weights, is non-finite" + (f"; rank(s) {', '.join(map(str, fine))} gave finite "
+                                                         "values" if fine else ""))
+    chosen.notes.insert(0, line)
+    chosen.reached_by = f"sharded capsule {where} (rank {rank} of {world}, replayed on one process)"
+    if extra is not None:
+        extra["rank"] = {"rank": rank, "world_size": world, "capsule": where, "replayed": tried,
+                         "run_named": named, "reproduced": any(t["nonfinite"] for t in tried)}
+    return chosen
+
+
 def capsule_reach(loaded, cfg, *, capsule: str | os.PathLike | None, at: int | None,
-                  precision: str | Precision | None = None, policy: str | None = None):
-    """`nanprobe run`'s first stop: ``--capsule FILE``, or a capsule for ``--at N`` in guard.capsule_dir.
+                  precision: str | Precision | None = None, policy: str | None = None,
+                  extra: dict[str, Any] | None = None):
+    """`nanprobe run`'s first stop: ``--capsule FILE`` or ``--capsule DIR`` (a sharded capsule), or a
+    capsule for ``--at N`` in guard.capsule_dir.
 
     Returns ``(reached_or_None, notes)``: None means "replay as usual" (notes say why a capsule
-    found for the step was not used).
+    found for the step was not used). ``extra``: filled with what the report adds (a sharded capsule:
+    the rank replayed).
     """
     if capsule is not None:
-        reached = reach_from_capsule(capsule, loaded, cfg, precision=precision, policy=policy)
+        if Path(capsule).is_dir():
+            reached = reach_from_dir(capsule, loaded, cfg, precision=precision, policy=policy, extra=extra)
+        else:
+            reached = reach_from_capsule(capsule, loaded, cfg, precision=precision, policy=policy)
         if at is not None and at != reached.step:
             raise UsageError(f"the capsule holds step {reached.step}, not --at {at}", str(capsule),
                              "Drop --at (the capsule fixes the step) or give the capsule of that step")
         return reached, []
     if at is not None:
-        return reach_for_step(at, loaded, cfg, precision=precision, policy=policy)
+        return reach_for_step(at, loaded, cfg, precision=precision, policy=policy, extra=extra)
     return None, []
 
 

@@ -53,7 +53,8 @@ from ..state import RngTracker, Snapshot, module_tensor_attrs
 from ..step import Loop
 from ..target import Target
 from ..guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
-from ..sharding import full_value, sharded, weights_finite
+from ..sharding import fsdp1_root, full_value, sharded, weights_finite
+from ..sharding import total_norm as group_norm
 from ..updates import UpdateCheck, describe, update_finding, update_forensics
 from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
     total_norm
@@ -247,8 +248,9 @@ class HookedGuard:
         self.rngs.end_step()
         if self._attrs is None:   # after the first forward: tensors modules keep as attributes
             self._attrs = module_tensor_attrs(self.model)
-        if norm is None:
-            norm = total_norm(grads_of(optimizers))
+        if norm is None:   # FSDP1: the shard norms summed over its process group
+            norm = group_norm(self.model, grads_of(optimizers)) if fsdp1_root(self.model) is not None \
+                else total_norm(grads_of(optimizers))
         norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
         update, self._update = self._update, None
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
@@ -421,9 +423,9 @@ class HookedGuard:
         rng = rng_after[0] if rng_after else self.rngs.capture()
         # a step only another rank saw is finite here: the rank that saw it diagnoses it
         undiagnosed = None
-        if sharded(self.model):
-            undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP2), so no rank can rerun its "
-                           "step alone; replay the capsule (it holds the full weights)")
+        if sharded(self.model) or fsdp1_root(self.model) is not None:
+            undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP), so no rank can rerun its "
+                           "step alone; replay the capsule (`nanprobe run` loads its full weights on one process)")
         elif local and self.reports >= self.max_reports:
             undiagnosed = "not diagnosed in-process: max_reports reached; replay the capsule"
         before = self._take_before(loop, rng) if local and undiagnosed is None else None
@@ -475,7 +477,8 @@ class HookedGuard:
                               history=[_capsule.record_dict(h) for h in self.history], entry=self.entry, rank=rank,
                               world_size=world, local=local, position=pos, carried=carried, form=target.form,
                               **settings)
-        path = _capsule.write(data, self.dirpath)
+        path = _capsule.write(data, self.dirpath, model=target.model,
+                              optimizers=[o for _, o in target.optimizers])
         self.capsules.append(path)
         _capsule.prune(self.capsules, self.gcfg.max_capsules)
         return path
@@ -570,7 +573,7 @@ class HookedGuard:
                               "rank": p.rank, "world_size": p.world,
                               "capsule": str(p.capsule) if p.capsule else None, "replay": command,
                               **({"capsule_note": p.capsule_note} if p.capsule_note else {}), **dict(extra or {})}
-        stem = p.capsule.name[:-len(_capsule.SUFFIX)] if p.capsule else \
+        stem = _capsule.report_stem(p.capsule, p.rank) if p.capsule else \
             f"step{p.step:07d}-rank{p.rank}-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         return write_new(self.dirpath, stem, data)
 

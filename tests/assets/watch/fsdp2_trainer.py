@@ -2,7 +2,8 @@
 
 At step ``BAD_STEP`` rank 1's batch holds a NaN: that rank's loss is NaN, and the gradient reduction
 carries the NaN to every rank's gradient shard. ``GUARD=1``: the loop uses ``nanprobe.Guard``
-(``CLIP``: its max_grad_norm). The full weights go to ``OUT`` (rank 0). A process group that is
+(``CLIP``: its max_grad_norm). The full weights go to ``OUT`` (rank 0), and the full model and
+optimizer state before the bad step to ``OUT.before``. A process group that is
 already up is used as it is (the test runs the script several times in one process).
 """
 
@@ -35,8 +36,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(4):
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
-        if step == bad_step and rank == 1:
-            x[0, 0] = float("nan")
+        if step == bad_step:   # the full state before the bad step (every rank gathers; rank 0 saves it)
+            names = {id(p): n for n, p in model.named_parameters()}
+            before = {"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+                      "optimizer": {names[id(p)]: {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                                                   for k, v in st.items()} for p, st in opt.state.items()}}
+            if rank == 0:
+                torch.save(before, os.environ["OUT"] + ".before")
+            if rank == 1:
+                x[0, 0] = float("nan")
         if guard is not None:
             with guard.step((x, y)):
                 opt.zero_grad()
