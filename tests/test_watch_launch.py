@@ -103,7 +103,7 @@ def test_the_summary_line_counts_processes_steps_bad_steps_and_reports():
 @needs_dist
 def test_watch_cli_follows_torchrun_ranks_and_reports_the_rank_that_saw_the_bad_step(tmp_path):
     """The CLI (a process of its own) over `python -m torch.distributed.run`: rank 1's loss is NaN at step 2,
-    rank 0 skips the step with it; one report (rank 1's), a capsule per rank, one summary line."""
+    rank 0 skips the step with it; one report (rank 1's), one capsule directory, one summary line."""
     reports = tmp_path / "reports"
     env = _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK))
     res = subprocess.run([str(BIN / "nanprobe"), "watch", "--dir", str(reports), "--json", str(tmp_path / "r.json"),
@@ -114,9 +114,10 @@ def test_watch_cli_follows_torchrun_ranks_and_reports_the_rank_that_saw_the_bad_
                         r"1 report written \(first: .*step0000002-rank1-\d+T\d+-\d+\.json\)", lines[-1]), lines[-1]
     assert any(line.startswith("nanprobe watch: rank 1: step 2: non-finite values born in forward") for line in lines)
     assert any(line.startswith("nanprobe watch: step 2: another rank saw a non-finite value") for line in lines)
-    # each rank its own capsule; the report is the rank that saw it
-    capsules = sorted(p.name.split("-")[1] for p in reports.glob("step0000002-*.capsule.pt"))
-    assert capsules == ["rank0", "rank1"]
+    # the replicas' capsule: one directory (weights written once, torch.distributed.checkpoint) with each
+    # rank's own file; the report is the rank that saw it
+    [capsule] = reports.glob("step0000002-*.capsule")
+    assert sorted(p.name for p in capsule.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
     [path] = reports.glob("*.json")
     report = json.loads(path.read_text())
     assert json.loads((tmp_path / "r.json").read_text()) == report
@@ -339,7 +340,8 @@ def test_watch_over_ranks_that_run_their_own_watch_says_so_and_does_not_watch_tw
     assert result.summary() == "nanprobe watch: 2 processes (ranks 0-1) ran their own nanprobe watch (its lines " \
                                "above say what it saw)"
     assert [p.name.split("-")[1] for p in inner.glob("*.json")] == ["rank1"]
-    assert len(list(inner.glob("*.capsule.pt"))) == 2   # one per rank, not two
+    [capsule] = inner.glob("*.capsule")                 # one capsule directory: not written twice
+    assert sorted(p.name for p in capsule.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
 
 
 def test_watch_of_a_missing_command_exits_2_with_one_line():

@@ -413,13 +413,15 @@ def carried_attrs(carried: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def report_stem(capsule: Path, rank: int) -> str:
-    """The name (no suffix) of a report written beside capsule ``capsule``: a capsule file's own stem; a
-    sharded capsule's directory (one for every rank) with the rank added."""
+    """The name (no suffix) of a report written beside capsule ``capsule``: a capsule file's own stem
+    (``stepNNNNNNN-rankR-<time>-<pid>``); a sharded capsule's directory (one for every rank,
+    ``stepNNNNNNN-<time>-<pid>``) with the rank after the step, as a file's."""
     from .sharded import DIR_SUFFIX
 
     if capsule.name.endswith(SUFFIX):
         return capsule.name[:-len(SUFFIX)]
-    return f"{capsule.name.removesuffix(DIR_SUFFIX)}-rank{rank}"
+    step, _, rest = capsule.name.removesuffix(DIR_SUFFIX).partition("-")
+    return f"{step}-rank{rank}-{rest}" if rest else f"{step}-rank{rank}"
 
 
 def replay_command(entry: str | None, path: str | os.PathLike) -> str:
