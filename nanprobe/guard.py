@@ -242,6 +242,7 @@ class Guard:
         self._micro_rng: list[dict[str, Any]] = []  # after each micro-batch was fetched (each guard.step)
         self._rngs = RngTracker(self._device_type, cfg.rng_states)
         self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # module tensor attributes
+        self._order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None   # _params' walk, by stepped ids
         self._carried: dict[str, Any] = {}
         self._loss: torch.Tensor | None = None
         self._deferred = False              # inside a closure optimizer's step: it applies the update
@@ -361,13 +362,15 @@ class Guard:
         """The parameters with a gradient in the order of ``model.parameters()`` (what the user's own
         ``clip_grad_norm_(model.parameters(), ...)`` sums: with several param groups their order differs,
         and so would the global norm in its last bits), then optimizer tensors outside the model."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
         if not self.optimizers:
-            return params
+            return [p for p in self.model.parameters() if p.grad is not None]
         stepped = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
-        ids, in_model = {id(p) for p in stepped}, {id(p) for p in self.model.parameters()}
-        return [p for p in params if id(p) in ids] + [p for p in stepped if p.grad is not None
-                                                       and id(p) not in in_model]
+        key = tuple(map(id, stepped))
+        if self._order is None or self._order[0] != key:   # the module walk (~0.1 ms) once per param set
+            ids, model = set(key), list(self.model.parameters())
+            in_model = {id(p) for p in model}
+            self._order = key, [p for p in model if id(p) in ids] + [p for p in stepped if id(p) not in in_model]
+        return [p for p in self._order[1] if p.grad is not None]
 
     def _unscale(self, scaler: torch.amp.GradScaler) -> None:
         for opt in self.optimizers:
