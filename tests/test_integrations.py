@@ -413,6 +413,7 @@ def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(t
     ("nanprobe.integrations.transformers", ("transformers",)),
 ])
 def test_an_integration_without_its_framework_says_so_in_one_line_and_exits_2(monkeypatch, capsys, module, blocked):
+    importlib.import_module(module)   # loaded (whatever ran before in this worker), then put back afterwards
     for name in blocked:
         monkeypatch.setitem(sys.modules, name, None)   # import fails as if not installed
     package, _, leaf = module.rpartition(".")

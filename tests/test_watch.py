@@ -303,7 +303,7 @@ def test_watch_names_the_update_that_made_the_weights_non_finite_at_its_own_step
     assert (report["step"], origin["phase"], origin["module"], origin["parameter"]) == \
         (expected, "update", "kind", "kind.weight")
     assert (top["cause"], top["phase"], top["mechanism"]) == ("div", "update", "adam_second_moment")
-    assert "eps=1e-8" in top["fixes"][0]["code"] and bad.command == f"nanprobe run ENTRY --at {expected}"
+    assert "eps=1e-8" in top["fixes"][0]["code"] and bad.command.startswith(f"nanprobe watch --at {expected} ")
 
 
 def test_watch_reads_the_last_update_at_the_end_of_the_script(tmp_path):
@@ -328,3 +328,8 @@ def test_watch_explains_a_nan_born_in_a_criterion_module_outside_the_model(tmp_p
     assert (top["cause"], top["phase"]) == ("log", "forward")
     assert top["evidence"][0].startswith("the root module's forward, rerun on the step's inputs under instrumentation, is finite")
     assert report["loss_outside_model"]["ops"][:2] == ["MeanBackward0", "SubBackward0"]
+    # the replay command: a capsule of the root module's inputs cannot compute a loss outside it, so every
+    # bad step's line (and the report) names the re-execution of the script instead
+    assert all(e.command.startswith(f"nanprobe watch --at {e.step} ") and e.command.endswith(f"-- python {script}")
+               for e in result.events), [e.command for e in result.events]
+    assert report["watch"]["replay"] == result.events[0].command

@@ -143,6 +143,9 @@ class HookedGuard:
         self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
         # what the log line says of a bad step the diagnosis did not locate (step -> text; watch offers --at N)
         self.unlocated: Callable[[int], str] | None = None
+        # step -> the command that replays it when the capsule's cannot (watch: a loss outside the root
+        # module, which a capsule of the root's inputs does not compute), else None
+        self.replay: Callable[[int], str | None] | None = None
         self.monitor = live_monitor(model, self.cfg, None)   # the precursor monitor; its one early warning:
         self.warnings: list[dict[str, Any]] = []
 
@@ -427,7 +430,7 @@ class HookedGuard:
             undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP), so no rank can rerun its "
                            "step alone; replay the capsule (`nanprobe run` loads its full weights on one process)")
         elif local and self.reports >= self.max_reports:
-            undiagnosed = "not diagnosed in-process: max_reports reached; replay the capsule"
+            undiagnosed = "not diagnosed in-process: max_reports reached; its replay command follows"
         before = self._take_before(loop, rng) if local and undiagnosed is None else None
         if before is not None:
             self.reports += 1
@@ -513,8 +516,9 @@ class HookedGuard:
             why = f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
                   f"{self.gcfg.max_consecutive_skips}"
         action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
-        command = _capsule.replay_command(self.entry, p.capsule) if p.capsule else \
-            f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None
+        command = (self.replay(p.step) if self.replay is not None else None) or \
+            (_capsule.replay_command(self.entry, p.capsule) if p.capsule else
+             f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None)
         headline = _headline(report, p, self.unlocated)
         path = None
         if report is not None:

@@ -193,6 +193,9 @@ class Watcher:
                                  max_reports=self.max_reports, events=self.events)
         if self.root is not None:   # --at arms at the root module's forward (none: a functional model)
             self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
+            # the loss is computed outside the root module: its capsule (the root's inputs) cannot compute it,
+            # re-executing the script can
+            self.guard.replay = lambda step: self.at_command(step) if self._loss_missing else None
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
