@@ -114,6 +114,9 @@ def test_watch_cli_follows_torchrun_ranks_and_reports_the_rank_that_saw_the_bad_
                         r"1 report written \(first: .*step0000002-rank1-\d+T\d+-\d+\.json\)", lines[-1]), lines[-1]
     assert any(line.startswith("nanprobe watch: rank 1: step 2: non-finite values born in forward") for line in lines)
     assert any(line.startswith("nanprobe watch: step 2: another rank saw a non-finite value") for line in lines)
+    # the loss is outside the model, but --at does not re-execute a distributed job: the capsule replays it
+    assert all(line.endswith(".capsule") and "Replay: nanprobe run ENTRY --capsule " in line
+               for line in lines if "step 2:" in line)
     # the replicas' capsule: one directory (weights written once, torch.distributed.checkpoint) with each
     # rank's own file; the report is the rank that saw it
     [capsule] = reports.glob("step0000002-*.capsule")

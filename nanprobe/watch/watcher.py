@@ -32,6 +32,11 @@ from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, f
                       ops_between, output_tensors, params_module)
 
 
+def _multi_rank() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class _RootHook:
     """A hook the root module carries: it calls the watcher (held weakly) for the root itself only.
 
@@ -194,8 +199,9 @@ class Watcher:
         if self.root is not None:   # --at arms at the root module's forward (none: a functional model)
             self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
             # the loss is computed outside the root module: its capsule (the root's inputs) cannot compute it,
-            # re-executing the script can
-            self.guard.replay = lambda step: self.at_command(step) if self._loss_missing else None
+            # re-executing the script can (one process: --at does not re-execute a distributed job's ranks)
+            self.guard.replay = lambda step: self.at_command(step) if self._loss_missing and not _multi_rank() \
+                else None
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
