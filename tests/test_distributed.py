@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()  # both ranks done before gloo tears down (else a rank can abort at exit)
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
