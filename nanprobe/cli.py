@@ -415,6 +415,9 @@ WatchPolicyOpt = Annotated[str, typer.Option("--policy", help="On a bad step: sk
 DirOpt = Annotated[Path, typer.Option("--dir", metavar="DIR", help="Where capsules and JSON reports go.")]
 EntryOpt = Annotated[Optional[str], typer.Option("--entry", metavar="ENTRY",
                                                  help="The ENTRY for the replay command (train.py:target).")]
+WatchJsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="OUT",
+                                                    help="Also write the first bad step's JSON report (with --at: "
+                                                         "step N's) to the file OUT (stdout is the script's).")]
 MaxReportsOpt = Annotated[int, typer.Option("--max-reports", metavar="N",
                                             help="Bad steps diagnosed in-process (later ones: capsule and a line).")]
 WatchAtOpt = Annotated[Optional[int], typer.Option(
@@ -430,7 +433,7 @@ ExplainOpt = Annotated[bool, typer.Option(
 
 @app.command("watch")
 @handles_errors
-def watch_cmd(command: CommandArg = None, json_out: JsonOpt = None, policy: WatchPolicyOpt = "skip",
+def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy: WatchPolicyOpt = "skip",
               dirpath: DirOpt = Path("nanprobe-reports"), entry: EntryOpt = None, max_reports: MaxReportsOpt = 1,
               config: ConfigOpt = None, debug: DebugOpt = False, at: WatchAtOpt = None,
               explain: ExplainOpt = False) -> None:
