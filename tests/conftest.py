@@ -113,3 +113,42 @@ def assert_same_state(target, state):
     for i, entry in opt["state"].items():
         for key, value in entry.items():
             assert now[i][key].dtype == value.dtype and torch.equal(now[i][key], value), (i, key)
+
+
+def free_port() -> int:
+    """A TCP port free now, for a test's process group (``tcp://127.0.0.1:PORT``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def leave_worker() -> None:
+    """A spawned worker's work is done and its files written: exit without the interpreter's teardown,
+    where a gloo thread still being torn down can abort the process now and then ("terminate called
+    without an active exception", torch's teardown, seen at exit with and without nanprobe)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def first_nonfinite_update(run) -> int:
+    """The oracle for update-born tests: call ``run()`` (a plain script, no nanprobe) and return the first
+    optimizer step after whose update a weight is non-finite."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen: list[int] = []
+    steps = iter(range(10 ** 6))
+
+    def post(opt, args, kwargs):
+        step = next(steps)
+        if not seen and not all(torch.isfinite(p).all() for g in opt.param_groups for p in g["params"]):
+            seen.append(step)
+
+    handle = register_optimizer_step_post_hook(post)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen[0]

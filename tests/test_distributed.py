@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -15,23 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port, leave_worker
+
 ASSETS = Path(__file__).resolve().parent / "assets" / "entries"
 BAD_ON_RANK1 = 3
 
 
-def _leave() -> None:
-    """A worker's work is done and its files written: exit without the interpreter's teardown, where a
-    gloo thread still being torn down can abort the process now and then ("terminate called without an
-    active exception", seen with watch at exit since before sharded capsules)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -58,12 +48,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()  # both ranks done before gloo tears down (else a rank can abort at exit)
     finally:
         dist.destroy_process_group()
-    _leave()
+    leave_worker()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_all_ranks_skip_the_same_step_and_write_their_own_capsule(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     expected = [i != BAD_ON_RANK1 for i in range(6)]
@@ -101,12 +91,12 @@ def _own_weights_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    _leave()
+    leave_worker()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ranks_with_their_own_weights_write_a_capsule_file_each(tmp_path):
-    mp.spawn(_own_weights_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_own_weights_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     names = sorted(p.name for p in tmp_path.glob("*.capsule.pt"))
     assert [n.split("-")[:2] for n in names] == [[f"step{BAD_ON_RANK1:07d}", "rank0"],
                                                  [f"step{BAD_ON_RANK1:07d}", "rank1"]]
@@ -164,13 +154,13 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    _leave()
+    leave_worker()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp2_guard_and_watch_keep_healthy_weights_and_name_the_rank_that_broke(tmp_path):
-    mp.spawn(_fsdp2_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_fsdp2_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     plain = torch.load(tmp_path / "plain.pt")
     for name in ("guard", "watch"):   # healthy: bitwise the weights of the plain loop
         got = torch.load(tmp_path / f"{name}.pt")

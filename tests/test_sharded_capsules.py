@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import runpy
-import socket
 import sys
 from pathlib import Path
 
@@ -18,25 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port, leave_worker
+
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"
 BAD = 2
 RUNS = [("plain", -1, False, False), ("guard", -1, True, False), ("watch", -1, False, True),
         ("guard_bad", BAD, True, False), ("watch_bad", BAD, False, True)]
 
 
-def _leave() -> None:
-    """A worker's work is done and its files written: exit without the interpreter's teardown, where a
-    gloo thread still being torn down can abort the process now and then ("terminate called without an
-    active exception", seen with watch at exit since before sharded capsules)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, script: str, env: dict[str, str]) -> None:
@@ -59,11 +49,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, script: str, env: di
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    _leave()
+    leave_worker()
 
 
 def _run(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[dict, dict]:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(WATCH / script), env), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(WATCH / script), env), nprocs=2, join=True)
     plain = torch.load(tmp_path / "plain.pt")
     for name in ("guard", "watch"):   # healthy: bitwise the weights of the plain loop
         got = torch.load(tmp_path / f"{name}.pt")

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import runpy
-import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
+from conftest import first_nonfinite_update, free_port, leave_worker
 from nanprobe.capsule import read
 from nanprobe.cli import app
 from nanprobe.diagnose import diagnose
@@ -192,10 +192,6 @@ def test_find_loss_reads_the_usual_output_shapes():
 BAD_ON_RANK1 = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -206,16 +202,12 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     events = [(e.step, e.local, e.rank, e.action, bool(e.report)) for e in result.events]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"code": result.exit_code, "events": events,
                                                              "root": result.root}))
-    # done, files written: leave without the interpreter's teardown, where a gloo thread still being torn
-    # down aborts the process now and then (tests/test_distributed.py's _leave)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_watch_under_ddp_all_ranks_skip_the_step_one_rank_saw(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0["code"] == r1["code"] == 0 and r0["root"] == r1["root"] == "DistributedDataParallel"
@@ -271,22 +263,7 @@ EPS_ZERO = WATCH / "eps_zero.py"
 
 def _plain_first_nonfinite_update(*args: str) -> int:
     """The oracle: run the script alone and find the first step after whose update a weight is non-finite."""
-    seen: list[int] = []
-    steps = iter(range(1000))
-
-    def post(opt, a, kw):
-        step = next(steps)
-        if not seen and not all(torch.isfinite(p).all() for g in opt.param_groups for p in g["params"]):
-            seen.append(step)
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    handle = register_optimizer_step_post_hook(post)
-    try:
-        _run_plain(EPS_ZERO, *args)
-    finally:
-        handle.remove()
-    return seen[0]
+    return first_nonfinite_update(lambda: _run_plain(EPS_ZERO, *args))
 
 
 @pytest.mark.parametrize("flag", [(), ("--optimizer-flag", "foreach"), ("--optimizer-flag", "fused")],

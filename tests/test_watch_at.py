@@ -19,6 +19,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from conftest import first_nonfinite_update
 from nanprobe.cli import app
 from nanprobe.watch import watch
 from nanprobe.watch.at import watch_at
@@ -53,21 +54,7 @@ def _first(stdout: str, pattern: str) -> int:
 
 def _first_nonfinite_update(*args: str) -> int:
     """The first step after whose optimizer update a weight of the plain script is non-finite."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    seen: list[int] = []
-    steps = iter(range(1000))
-
-    def post(opt, a, kw):
-        step = next(steps)
-        if not seen and not all(torch.isfinite(p).all() for g in opt.param_groups for p in g["params"]):
-            seen.append(step)
-
-    handle = register_optimizer_step_post_hook(post)
-    try:
-        _plain(EPS_ZERO, *args)
-    finally:
-        handle.remove()
-    return seen[0]
+    return first_nonfinite_update(lambda: _plain(EPS_ZERO, *args))
 
 
 def _json(path) -> dict:

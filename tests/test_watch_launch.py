@@ -10,7 +10,6 @@ import json
 import os
 import re
 import runpy
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
 
+from conftest import free_port
 from nanprobe.cli import app
 from nanprobe.hooked import HookEvent
 from nanprobe.watch import WatchResult, watch
@@ -35,10 +35,6 @@ runner = CliRunner()
 needs_dist = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:
@@ -54,7 +50,7 @@ def _setenv(monkeypatch, env: dict[str, str]) -> None:
 
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), *args]
+            str(free_port()), *args]
 
 
 def _weights(tmp_path: Path, name: str) -> list[dict[str, torch.Tensor]]:
@@ -158,7 +154,7 @@ def test_watch_follows_accelerate_launch_processes(tmp_path, monkeypatch):
         pytest.importorskip("accelerate")
     _setenv(monkeypatch, _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK)))
     cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            str(WATCH / "accelerate_trainer.py")]
     result = watch(cmd, dirpath=tmp_path / "reports", json_out=tmp_path / "r.json")
     assert result.exit_code == 0
@@ -295,7 +291,7 @@ def test_watch_follows_ranks_a_script_spawns_itself(tmp_path, monkeypatch):
     script = tmp_path / "spawner.py"
     script.write_text(SPAWNER.format(folder=str(WATCH)))
     _setenv(monkeypatch, _env(tmp_path, "w", BAD_STEP=str(BAD_STEP), BAD_RANK=str(BAD_RANK)))
-    result = watch(["bash", "-c", f"{sys.executable} {script} {_free_port()}"], dirpath=tmp_path / "reports")
+    result = watch(["bash", "-c", f"{sys.executable} {script} {free_port()}"], dirpath=tmp_path / "reports")
     assert result.exit_code == 0
     assert [(r.rank, r.steps) for r in result.processes] == [(None, 0), (0, 5), (1, 5)]
     assert [(e.step, e.rank, e.local, bool(e.report)) for e in result.events] == \
