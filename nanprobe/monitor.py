@@ -351,7 +351,7 @@ class Trend:
             projected = _project(prod, dmax) if dmax < 1e6 else None   # fp16: bf16/fp32 logits never reach theirs
             if projected is not None:
                 ev.append(f"at this growth |q.k| reaches the {_dtype_name(self.dtype)} max {dmax:.3g} "
-                          f"between step {projected[0]} and {projected[1]}")
+                          f"{_steps(projected)}")
             out.append(Signal(mechanism=Mechanism.ATTENTION_LOGIT_GROWTH, module=module, onset=onset,
                               evidence=tuple(ev), projected=projected, growth=last / base))
         lse = [(k, p) for k, p in self.series.items() if k.endswith("/logsumexp")]
@@ -418,8 +418,7 @@ class Trend:
             fixes = _WARN_FIXES.get(sig.mechanism, "")
             line = f"{sig.headline()}: {sig.mechanism.value}"
             if sig.projected is not None:
-                line += (f"; the {_dtype_name(self.dtype)} max would be crossed between step {sig.projected[0]} "
-                         f"and {sig.projected[1]}")
+                line += f"; the {_dtype_name(self.dtype)} max would be crossed {_steps(sig.projected)}"
             if fixes:
                 line += f"; fixes: {fixes}"
             w = {"step": step, "mechanism": sig.mechanism.value, "module": sig.module, "onset": sig.onset,
@@ -453,6 +452,12 @@ def _clean(x: float) -> float:
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "fp32"}.get(dtype, str(dtype))
+
+
+def _steps(projected: tuple[int, int]) -> str:
+    """``(a, b)`` as "at step a" or "between step a and b"."""
+    a, b = projected
+    return f"at step {a}" if a == b else f"between step {a} and {b}"
 
 
 def _project(pts: list[tuple[int, float]], limit: float, window: int = 3) -> tuple[int, int] | None:
