@@ -124,6 +124,7 @@ class MonitorConfig:
     every: int = 2
     live_every: int = 10
     baseline_samples: int = 5
+    settle_steps: int = 10
     growth_factor: float = 10.0
     attention_logit_limit: float = 100.0
     entropy_floor: float = 0.1

@@ -89,7 +89,7 @@ def _healthy(loaded: Loaded, done: NoBadStep, prec: Precision, device: torch.dev
     return Report(command=command, entry=loaded.entry, step=None, status=Status.FINITE,
                   device=describe_device(device), precision=prec.value,
                   history=tuple(done.history[-cfg.replay.history:]),
-                  notes=(f"no non-finite value or spike in {done.steps} steps{ran}",),
+                  notes=(f"no non-finite value or spike in {done.steps} steps{ran}",) + tuple(done.notes),
                   autocast_policy=autocast_policy(device, prec, policy, loaded.target.pure), reached_by="replay from step 0")
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,9 @@ _MAD_SIGMA = 1.4826   # MAD -> standard deviation for a normal distribution
 # A full window's band is recomputed every few values (and at once around elevated values): one
 # value moves a 50-value median/MAD very little, and this runs inside the guard's <= 1% budget.
 REFRESH_EVERY = 4
+# After an excursion decided at once, a step is back to normal within this factor of the level before it
+# (or the level's own noise, where wider).
+RECOVERY_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +170,17 @@ class _Series:
     def baseline(self) -> float | None:
         pos = [v for v in self.first if v > 0]
         return max(pos) if pos else None
+
+    def recovered_cut(self) -> float:
+        """Where a value is back to the level before an excursion: within ``RECOVERY_FACTOR`` of the median (or
+        its own noise, ``z`` robust sigmas, where that is wider). A loss that falls from 305 back to 12-60
+        after 6 has not recovered, though it is under the 10x spike cut."""
+        r = self.r
+        if self.log:   # ``median`` is the level itself, ``sigma`` the spread of its log
+            return max(self.median * math.exp(max(math.log(RECOVERY_FACTOR), r.z * self.sigma)),
+                       self.median + self.floor)
+        scale = max(abs(self.median), self.sigma, self.floor, 1e-12)
+        return self.median + max((RECOVERY_FACTOR - 1) * scale, r.z * self.sigma, self.floor)
 
     def recovered(self) -> int:
         """Elevated values in the window that were followed by a normal one."""
@@ -324,7 +338,7 @@ class Divergence:
             if not math.isfinite(value):
                 return False
             if series.ready:
-                return value <= series.candidate
+                return value <= series.recovered_cut()
             base = series.baseline()
             return runaway is None or base is None or value <= runaway * base
         return under(self.loss, loss, self.rules.runaway_factor) and under(self.norm, norm, None)
@@ -389,6 +403,7 @@ class Breakaway:
         self.patience, self.min_steps = max(patience, 1), min_steps
         self.recent: deque[float] = deque(maxlen=self.window)
         self.diffs: list[float] = []        # |loss_t - loss_t-1|, sorted
+        self.healthy: list[float] = []      # the same, while the loss was reaching its best level: a healthy run's noise
         self.last: float | None = None
         self.best: float | None = None
         self.best_step: int | None = None
@@ -397,14 +412,20 @@ class Breakaway:
 
     def add(self, loss: float, step: int) -> dict[str, Any] | None:
         """Add a finite loss; the break-away's facts when the run has broken away, else None."""
-        if not math.isfinite(loss):
+        if loss is None or not math.isfinite(loss):
             return None
         self.n += 1
         if self.last is not None:
             insort(self.diffs, abs(loss - self.last))
+            if self.best_step is None or step <= self.best_step + 1:
+                insort(self.healthy, abs(loss - self.last))
         self.last = loss
         self.recent.append(loss)
         if len(self.recent) < self.window:
+            if len(self.recent) == EARLY and self.best is None:
+                # the first losses' level: a run that leaves it within its first window (the loss jumps 4x at
+                # step 3 and never comes back) has left its best level too
+                self.best, self.best_step = _mid(sorted(self.recent)), step
             return None
         level = _mid(sorted(self.recent))
         if self.best is None or level < self.best:
@@ -422,8 +443,14 @@ class Breakaway:
                 "since": self.above_since, "sigma": sigma, "cut": cut}
 
     def noise(self) -> float:
-        """The loss's noise sigma: robust, of its step-to-step changes."""
-        return _MAD_SIGMA * _mid(self.diffs) / math.sqrt(2) if self.diffs else 0.0
+        """The loss's noise sigma: robust, of its step-to-step changes; those of the healthy stretch (while the
+        loss was reaching its best level) where they are smaller (a diverged loss's own noise would widen the cut
+        that tells it apart from its best level)."""
+        def sigma(d: list[float]) -> float:
+            return _MAD_SIGMA * _mid(d) / math.sqrt(2)
+        if not self.diffs:
+            return 0.0
+        return min(sigma(self.diffs), sigma(self.healthy)) if len(self.healthy) >= EARLY else sigma(self.diffs)
 
     def cut(self) -> float | None:
         """The level above which the loss has left its best level (None before a full window)."""
@@ -457,14 +484,44 @@ def breakaway(losses: Iterable[float] | Iterable[tuple[int, float]], *, window: 
     return None
 
 
+EARLY = 3   # the first losses whose median is a best level before a full window exists
+
+# A break-away is a failure only with a second, independent signal behind it. The gradient norm's level over
+# the break-away against its level where the loss was best: this many times higher is a sustained rise.
+GRAD_RISE = 10.0
+
+
 class Judge:
     """The per-step verdict for replay and smoke: non-finite values, spikes, GradScaler skip storms,
-    and (with ``slow``) a loss that broke away from its best level."""
+    and (with ``slow``) a loss that broke away from its best level.
 
-    def __init__(self, cfg: ReplayConfig | GuardConfig, slow: Breakaway | None = None):
+    A break-away alone is a note (``notes``), not a failure: a KL weight ramping up, a value loss growing
+    with the returns, a curriculum step all raise the loss of a healthy run. It is ``diverging`` when a
+    second, independent signal stands behind it: the gradient norm's sustained rise (``GRAD_RISE``), or
+    what ``second(facts)`` finds (the replay asks the precursor monitor: a precursor out of its band, an
+    update that climbs the gradient)."""
+
+    def __init__(self, cfg: ReplayConfig | GuardConfig, slow: Breakaway | None = None,
+                 second: Callable[[dict[str, Any]], str | None] | None = None):
         self.model = Divergence(Rules.of(cfg))
         self.slow = slow
+        self.second = second
         self.breakaway: dict[str, Any] | None = None
+        self.notes: list[str] = []
+        self.rise: dict[str, Any] | None = None     # the first break-away with nothing behind it
+        self.norms: deque[tuple[int, float]] = deque(maxlen=4096)   # applied steps' gradient norms
+
+    def behind(self, facts: dict[str, Any]) -> str | None:
+        """The independent signal behind a break-away, or None."""
+        since, best = facts["since"], facts["best_step"]
+        now = [v for k, v in self.norms if k >= since]
+        healthy = [v for k, v in self.norms if best - self.slow.window < k <= best]
+        if len(now) >= 5 and healthy:
+            a, b = _mid(sorted(healthy)), _mid(sorted(now))
+            if a > 0 and b >= GRAD_RISE * a:
+                return (f"the gradient norm rose with it: level {b:.3g} since step {since} against {a:.3g} where "
+                        f"the loss was best ({b / a:.0f}x)")
+        return self.second(facts) if self.second is not None else None
 
     def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:
         reason = _nonfinite_reason(record, params_finite)
@@ -483,13 +540,26 @@ class Judge:
         if self.slow is not None and record.loss is not None:
             facts = self.slow.add(record.loss, record.step)
             if facts is not None:
-                self.breakaway = facts
-                return Status.DIVERGING, Breakaway.describe(facts)
+                why = self.behind(facts)
+                if why is None:
+                    if self.rise is None:
+                        self.rise = facts
+                        self.notes.append(
+                            f"the loss rose from its best level {facts['best']:.4g} (step {facts['best_step']}) to "
+                            f"{facts['level']:.4g} at step {facts['step']}, with nothing behind it: no precursor "
+                            "out of its band, no sustained rise of the gradient norm, no update that climbs the "
+                            "gradient. A note, not a failure (a loss weight ramping up, a curriculum step or a "
+                            "value loss growing with the returns rise like this)")
+                    return Status.FINITE, None
+                self.breakaway = {**facts, "signal": why}
+                return Status.DIVERGING, f"{Breakaway.describe(facts)}; {why}"
         return Status.FINITE, None
 
     def add(self, record: StepRecord, *, excursion: bool = False) -> None:
-        self.model.add(record.loss, None if record.skipped else record.grad_norm, step=record.step,
-                       excursion=excursion)
+        norm = None if record.skipped else record.grad_norm
+        self.model.add(record.loss, norm, step=record.step, excursion=excursion)
+        if norm is not None and math.isfinite(norm) and record.step is not None:
+            self.norms.append((record.step, norm))
 
     def at_once(self) -> bool:
         """The last spike was decided at once, not by persistence: it may still recover."""

@@ -188,17 +188,18 @@ class LiveFeed:
         self._index = stream._index
         self._first_item = stream._item
         self.on_micro: Callable[[int], None] | None = None
-        first = self._next()
-        if first is None:
+        if not self._next():
             raise DataEnd(step, max(stream.epoch + 1, 0))
         stream.next_step += 1
         stream._index += 1
 
-    def _next(self) -> Any | None:
+    def _next(self) -> bool:
+        """Fetch the step's next micro-batch; False at the step's end or the data's. (An item may be None: a
+        step_fn that makes its own data, as RL loops do, is given ``batches=lambda step: None``.)"""
         s = self.stream
         if len(self._live) >= s.accumulate:
             self._done = True
-            return None
+            return False
         ok, item = s._fetch()
         if not ok and not self._live:   # the epoch ended before this step: the next epoch starts it
             if s._start_epoch():
@@ -206,12 +207,12 @@ class LiveFeed:
                 ok, item = s._fetch()
         if not ok:
             self._done = True
-            return None
+            return False
         self._live.append(item)
         self.items.append(clone_batch(item) if s.record else item)
         if s.rng is not None:
             self.rng_after.append(s.rng.capture())
-        return item
+        return True
 
     @property
     def position(self) -> Position:
@@ -222,7 +223,7 @@ class LiveFeed:
     def get(self, j: int) -> Any | None:
         """Micro-batch ``j`` (the item itself, as the user's loop would get it), or None past the step's end."""
         while len(self._live) <= j and not self._done:
-            if self._next() is None:
+            if not self._next():
                 break
         if j >= len(self._live):
             return None
@@ -233,7 +234,7 @@ class LiveFeed:
     def finish(self) -> None:
         """Fetch the items the step did not use, so that the next step starts where the user's would."""
         while not self._done:
-            if self._next() is None:
+            if not self._next():
                 break
 
     def count(self) -> int:

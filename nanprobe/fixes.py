@@ -221,10 +221,17 @@ def _peak(ev: Evidence) -> float | None:
     return max(lrs) if lrs else None
 
 
+def ascent(f: Finding) -> bool:
+    """The finding says the applied update climbs the gradient (an LR applied inside the optimizer below 0)."""
+    return f.mechanism is Mechanism.LR_SCHEDULE and any("climbs the gradient" in e for e in f.evidence)
+
+
 @fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
                    Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
-                   verify=lambda f, ev: Remedy(lr_scale=LOWER_LR))
+                   verify=lambda f, ev: None if ascent(f) else Remedy(lr_scale=LOWER_LR))
 def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
+    if ascent(f):
+        return None
     peak = _peak(ev)
     was = f"  # was {peak:.3g}" if peak else ""
     lr = f"{peak * LOWER_LR:.3g}" if peak else f"{LOWER_LR} * peak_lr"
@@ -237,8 +244,11 @@ def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
                    "the logits and activations grow with it; a lower peak keeps them in range")
 
 
-@fix_for_mechanism(Mechanism.LR_SCHEDULE, verify=lambda f, ev: Remedy(warmup=2 * max(ev.reached.step, 1)))
+@fix_for_mechanism(Mechanism.LR_SCHEDULE, verify=lambda f, ev: None if ascent(f) else
+                   Remedy(warmup=2 * max(ev.reached.step, 1)))
 def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
+    if ascent(f):
+        return None
     steps = 2 * max(ev.reached.step, 1)
     return Fix(title=f"Warm up longer: over {steps} steps",
                code=f"warmup = {steps}  # steps: twice the step the run failed at\n"
@@ -246,6 +256,21 @@ def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
                     "    optimizer, lambda step: min(1.0, (step + 1) / warmup) * your_decay(step))",
                why="the run broke while the LR was still rising to (or had just reached) its peak: a longer "
                    "warmup lets the weights and Adam's moments settle before the full step size")
+
+
+@fix_for_mechanism(Mechanism.LR_SCHEDULE)
+def _applied_lr(f: Finding, ev: Evidence) -> Fix | None:
+    if not ascent(f):
+        return None
+    opt = _opt_name(ev)
+    return Fix(title=f"Fix the LR {opt} applies inside step(): it turns negative past its schedule's end",
+               code="# the schedule inside the optimizer must span the steps it is stepped, e.g. BertAdam's:\n"
+                    "t_total = len(train_dataloader) // gradient_accumulation_steps * num_epochs  # optimizer steps\n"
+                    f"optimizer = {opt}(model.parameters(), lr=lr, warmup=0.1, t_total=t_total)\n"
+                    "# or clamp the factor it multiplies the LR by: max(0.0, 1.0 - progress)",
+               why="a factor like warmup_linear's 1 - progress goes below 0 once progress passes 1: the update "
+                   "then points up the gradient (its cosine with -grad is negative) and every step undoes learning; "
+                   "a lower or warmed-up LR only makes the ascent slower")
 
 
 def _decay_remedy(f: Finding, ev: Evidence) -> Remedy | None:
@@ -510,18 +535,34 @@ def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
 # -- lr -----------------------------------------------------------------------------------------
 def _lower_lr_remedy(f: Finding, ev: Evidence) -> Remedy | None:
     """The LR fix below as a change to the LR the scheduler sets (a multiplier above 1 has none)."""
+    if ascent(f):
+        return None
     lrs = lrs_seen(ev.reached)
     if lrs and multiplier_above_one(ev.reached, max(lrs)):
         return None
-    return Remedy(lr_scale=0.01, warmup=1000) if constant(lrs) else Remedy(warmup=1000)
+    w = warmup_steps(ev)
+    owner = owning_group(ev, largest_update(ev))
+    if owner is not None and owner.differs:   # the fix sets that group's LR to the other groups' (a typo)
+        target = max(owner.others)
+        scales = tuple(target / owner.lr if i == owner.index else 1.0 for i in range(owner.count))
+        return Remedy(lr_scale=scales)
+    return Remedy(lr_scale=0.1, warmup=w) if constant(lrs) else Remedy(warmup=w)
+
+
+def warmup_steps(ev: Evidence) -> int:
+    """A warm-up that fits the run: half the steps it got through, between 10 and 1000 (a 1000-step warm-up
+    for a run that failed at step 200 would be a fix for another run)."""
+    return max(10, min(1000, ev.reached.step // 2))
 
 
 @fix_for(Cause.LR_SPIKE, verify=_lower_lr_remedy)
 def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
+    if ascent(f):
+        return None   # a lower LR only slows an ascent down (the LR the optimizer applies is the fix)
     lrs = lrs_seen(ev.reached)
     if lrs and multiplier_above_one(ev.reached, max(lrs)):
         return Fix(title="Fix the schedule: the LambdaLR multiplier must stay <= 1",
-                   code="warmup = 1000  # steps\n"
+                   code=f"warmup = {warmup_steps(ev)}  # steps\n"
                         "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                         "    optimizer, lambda step: min(1.0, (step + 1) / warmup))  # a multiplier in [0, 1]"
                         f"\n# your LR reached {max(lrs):.3g}, {max(lrs) / max(ev.reached.scheduler_base_lrs):.3g}x "
@@ -532,22 +573,24 @@ def _lower_lr(f: Finding, ev: Evidence) -> Fix | None:
         lr = owner.lr
         return Fix(title=f"Lower the learning rate of param group {owner.index} (it is {lr:.3g}; the other "
                          f"group(s) use {', '.join(f'{x:.3g}' for x in owner.others)})",
-                   code=f"{owner.optimizer}.param_groups[{owner.index}][\"lr\"] = {lr / 100:.3g}  # was {lr:.3g}\n"
+                   code=f"{owner.optimizer}.param_groups[{owner.index}][\"lr\"] = {max(owner.others):.3g}  "
+                        f"# was {lr:.3g}\n"
                         "# or where you build it: {\"params\": ..., \"lr\": ...} with the intended value (1e3 vs 1e-3?)",
                    why="each param group steps with its own LR; the group holding the parameters that blew up moves "
                        "them by about its LR per step (Adam), whatever the first group's LR is")
     if constant(lrs):
         lr = lrs[-1]
+        w = warmup_steps(ev)
         return Fix(title=f"Lower the learning rate (it is {lr:.3g}, constant) and warm up to it",
-                   code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr / 100:.3g})  "
+                   code=f"optimizer = torch.optim.{_opt_name(ev)}(model.parameters(), lr={lr / 10:.3g})  "
                         f"# was lr={lr:.3g}\n"
                         "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
-                        "    optimizer, lambda step: min(1.0, (step + 1) / 1000))  # linear warmup over 1000 steps",
+                        f"    optimizer, lambda step: min(1.0, (step + 1) / {w}))  # linear warmup over {w} steps",
                    why="the update |dw|/|w| scales with the LR; a step that replaces the weights' norm diverges at "
                        "once (Adam moves every weight by about lr per step, whatever the gradient)")
     hint = f"\n# your LR went from {min(lrs):.3g} to {max(lrs):.3g} in {len(lrs)} steps" if lrs else ""
     return Fix(title="Fix the schedule: warm up to a lower peak learning rate",
-               code="warmup = 1000  # steps\n"
+               code=f"warmup = {warmup_steps(ev)}  # steps\n"
                     "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                     "    optimizer, lambda step: min(1.0, (step + 1) / warmup))  # a multiplier in [0, 1]"
                     + hint,

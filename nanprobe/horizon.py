@@ -47,8 +47,9 @@ def broke_away(losses: list[tuple[int, float]], *, sigmas: float = 4.0, rise: fl
     least 5 steps. None when it did not (or came back before the horizon ended)."""
     b = Breakaway(window=5, sigmas=sigmas, rise=rise, patience=5, min_steps=10)
     for step, loss in losses:
-        b.add(loss, step)
-    if b.above_since is None or b.n < b.min_steps or losses[-1][0] - b.above_since + 1 < b.patience:
+        if loss is not None:
+            b.add(loss, step)
+    if not losses or b.above_since is None or b.n < b.min_steps or losses[-1][0] - b.above_since + 1 < b.patience:
         return None
     return b.above_since
 
@@ -65,6 +66,37 @@ def left_before(history: list[tuple[int, float]], *, sigmas: float = 4.0,
     if b.above_since is None or b.best is None or b.n < b.min_steps:
         return None
     return b.best, b.best_step, b.cut()
+
+
+def best_level(losses: list[tuple[int, float | None]], window: int = 5) -> tuple[float, int, float] | None:
+    """(the best level, its step, the level's noise) of a run's losses: the lowest running median of ``window``
+    losses (of all of them, when there are fewer), and the robust sigma of one median from the step-to-step
+    changes. None without a finite loss."""
+    vals = [(k, v) for k, v in losses if v is not None and math.isfinite(v)]
+    if not vals:
+        return None
+    window = min(window, len(vals))   # an onset in the first steps: the level of the few losses before it
+    levels = [(statistics.median(v for _, v in vals[i - window + 1:i + 1]), vals[i][0])
+              for i in range(window - 1, len(vals))]
+    best, step = min(levels)
+    diffs = [abs(b - a) for (_, a), (_, b) in zip(vals, vals[1:])]
+    sigma = 1.4826 * statistics.median(diffs) / math.sqrt(2) if diffs else 0.0
+    return best, step, sigma / math.sqrt(window)
+
+
+def kept_learning(losses: list[tuple[int, float]], best: tuple[float, int, float] | None) -> str | None:
+    """None when the run's last 5 losses (median) are at or below the unfixed run's best level before the
+    horizon, within noise (3 sigmas of a 5-step level, or 5% of the level); else why not: a fix that avoids
+    the failure by not training has not fixed it."""
+    if best is None or len(losses) < 5:
+        return None
+    now = statistics.median(v for _, v in losses[-5:])
+    level, step, sigma = best
+    tol = max(3 * sigma, 0.05 * abs(level))
+    if now <= level + tol:
+        return None
+    return (f"stopped learning: its loss ends at {now:.3g}, above the unfixed run's best level {level:.3g} "
+            f"(step {step}) by more than the noise ({tol:.2g})")
 
 
 def came_back(losses: list[tuple[int, float]], level: tuple[float, int, float]) -> str | None:
@@ -119,6 +151,7 @@ class Horizon:
         self.notes: list[str] = []
         self.data_end: int | None = None          # the last step the data reaches, once seen
         self.level: tuple[float, int, float] | None = None   # left_before: the run had broken away already
+        self.best: tuple[float, int, float] | None = None    # the unfixed run's best level before the start
         self.setup_seconds = 0.0
         t0 = time.perf_counter()
         if start == reached.step:
@@ -160,8 +193,9 @@ class Horizon:
 
     def _level(self, losses: list[tuple[int, float | None]]) -> None:
         m = self.cfg.monitor
-        self.level = left_before([(k, v) for k, v in losses if v is not None and k < self.start],
-                                 sigmas=m.breakaway_sigmas, rise=m.breakaway_rise)
+        before = [(k, v) for k, v in losses if v is not None and k < self.start]
+        self.level = left_before(before, sigmas=m.breakaway_sigmas, rise=m.breakaway_rise)
+        self.best = best_level(before)
 
     def check_same(self, losses: list[tuple[int, float | None]]) -> None:
         """The steps the replay also ran must give the same losses (else the horizon is another run)."""
@@ -328,8 +362,16 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
     if last is None or last <= h.failing:
         return None, (f"trained only to step {last} (the data ends there): a rerun of step {h.failing} alone "
                       "does not show that a fix holds"), info
+    stopped = kept_learning(fixed.losses, h.best)
+    if stopped is not None:
+        info["reason"] = stopped
+        info["loss_fixed"] = _tail_mean(fixed.losses)
+        info["best_before"] = h.best[0]
+        return False, f"trained to step {last} without failing, but {stopped}", info
     info["held"] = True
     info["loss_fixed"] = _tail_mean(fixed.losses)
+    if h.best is not None:
+        info["best_before"] = h.best[0]
     covered = unfixed.last is not None and unfixed.last >= last   # the unfixed run trained the same steps
     info["loss_unfixed"] = _tail_mean(unfixed.losses, last) if covered else None
     if not covered:
@@ -345,7 +387,7 @@ def horizon_start(reached: Reached, onset: int | None, cfg: Config) -> int:
     """The first step of the horizon: the onset where the replay reached it, else the failing step N
     (N - 1 for a spike: its loss is the weights' answer to the update before it)."""
     n = reached.step
-    if not reached.reached_by.startswith("replay from step 0"):
+    if not reached.from_scratch:
         return n
     latest = n - 1 if reached.status is Status.SPIKE and n > 0 else n
     if onset is None or onset >= latest:

@@ -617,6 +617,9 @@ class OriginTracker:
         entered = not (born_nan or born_inf)
         if entered and (trace.events or trace.entered is not None):
             return
+        if entered and not out_nan and not any(any(k) for k in in_kinds):
+            return   # +-inf from a Python scalar (scalar_tensor(-inf), full(..., -inf)): an intended mask constant
+
         # the kind of the first output with a non-finite value (an op's scratch outputs, e.g. ctc_loss's
         # uninitialised log_alpha, must not decide it)
         bad_out, (b_nan, b_pos, b_neg) = next((t, k) for t, k in zip(outs, out_kinds) if any(k))

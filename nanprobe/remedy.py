@@ -30,7 +30,7 @@ class Remedy:
     precision: Precision | None = None              # train in this precision instead
     fp32_modules: tuple[str, ...] = ()              # run these modules in float32 inside autocast
     max_grad_norm: float | None = None              # clip the global gradient norm at this
-    lr_scale: float | None = None                   # multiply the LR the scheduler sets
+    lr_scale: float | tuple[float, ...] | None = None   # multiply the LR the scheduler sets (per param group: a tuple)
     warmup: int | None = None                       # ... and by min(1, (step + 1) / warmup)
     param_overrides: tuple[tuple[str, Any], ...] = ()   # optimizer group keys, e.g. (("eps", 1e-8),)
     z_loss: tuple[str, float] | None = None         # (output module, coefficient): + c * logsumexp(logits)^2
@@ -44,7 +44,9 @@ class Remedy:
             parts.append(f"fp32 {', '.join(self.fp32_modules)}")
         if self.max_grad_norm is not None:
             parts.append(f"clip {self.max_grad_norm:g}")
-        if self.lr_scale is not None:
+        if isinstance(self.lr_scale, tuple):
+            parts.append("LR x(" + ", ".join(f"{x:g}" for x in self.lr_scale) + ") per param group")
+        elif self.lr_scale is not None:
             parts.append(f"LR x{self.lr_scale:g}")
         if self.warmup is not None:
             parts.append(f"warmup {self.warmup}")
@@ -60,7 +62,7 @@ class Remedy:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, tuple) and f.name != "z_loss":
+            if isinstance(a, tuple) and f.name not in ("z_loss", "lr_scale"):
                 out[f.name] = tuple(dict.fromkeys(a + b))
             elif a is not None and b is not None and a != b:
                 return None
@@ -70,10 +72,11 @@ class Remedy:
             return None
         return Remedy(**out)
 
-    def lr_at(self, step: int) -> float | None:
+    def lr_at(self, step: int) -> float | tuple[float, ...] | None:
         scale = self.lr_scale
         if self.warmup:
-            scale = (scale or 1.0) * min(1.0, (step + 1) / self.warmup)
+            w = min(1.0, (step + 1) / self.warmup)
+            scale = tuple(x * w for x in scale) if isinstance(scale, tuple) else (scale or 1.0) * w
         return scale
 
     def options(self, precision: Precision, policy: str, loop, step: int) -> RunOptions:

@@ -70,6 +70,12 @@ class Reached:
     breakaway: dict[str, Any] | None = None   # the slow divergence the judge saw (divergence.breakaway's facts)
 
     @property
+    def from_scratch(self) -> bool:
+        """The state was reached by training from step 0 in this process (replay, smoke): an earlier state (the
+        onset) can be reached the same way."""
+        return self.reached_by.startswith(("replay from step 0", "trained from scratch"))
+
+    @property
     def position(self) -> Position | None:
         return self.recorded.position
 
@@ -206,8 +212,10 @@ class NoBadStep(Exception):
     """Replay finished (data exhausted or --max-steps) without a bad step."""
 
     def __init__(self, steps: int, history: list[StepRecord], limit: int, *, data_ended: bool = False,
-                 epochs: int | None = None, last: Reached | None = None, trend: Trend | None = None):
+                 epochs: int | None = None, last: Reached | None = None, trend: Trend | None = None,
+                 notes: list[str] | None = None):
         self.steps = steps
+        self.notes = list(notes or [])   # what the judge noted on a healthy run (a loss rise with nothing behind it)
         self.trend = trend        # the precursor monitor's series of the healthy run
         self.history = history
         self.limit = limit
@@ -229,10 +237,12 @@ class Replayer:
         self.rng = RngTracker(self.device_type)
         self.stream = Stream(target, self.rng)
         on = monitor is not None and monitor.enabled
-        self.monitor = Monitor(target.model, monitor, dtype=precision.dtype if precision.low else None) if on else None
+        self.monitor = Monitor(target.model, monitor, dtype=precision.dtype if precision.low else None,
+                               activations=True) if on else None
         self.judge = Judge(cfg, slow=Breakaway(window=monitor.breakaway_window, sigmas=monitor.breakaway_sigmas,
                                                rise=monitor.breakaway_rise, patience=monitor.breakaway_patience,
-                                               min_steps=monitor.breakaway_min_steps) if on else None)
+                                               min_steps=monitor.breakaway_min_steps) if on else None,
+                           second=self._precursor if on else None)
         self.notes: list[str] = []
         self._observed = False
         self._buffers = [b for _, b in target.model.named_buffers()]
@@ -246,6 +256,11 @@ class Replayer:
             with torch.no_grad():
                 start = torch.stack([x.float() for x in torch._foreach_norm([p for _, p in named])]).tolist()
             self.norms.append(dict(zip((n for n, _ in named), start)))
+
+    def _precursor(self, facts: dict[str, Any]) -> str | None:
+        """The precursor behind a break-away of the loss: an independent monitor signal out of its band."""
+        sig = self.monitor.trend.behind(facts["step"], facts["best_step"])
+        return None if sig is None else f"{sig.mechanism.value}: {sig.headline()}"
 
     def light(self) -> _Light:
         return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],
@@ -547,7 +562,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
     while True:
         if k - start >= limit:
             done = end(NoBadStep(k - start, list(history), limit, last=last(),
-                                 trend=r.monitor.trend if r.monitor is not None else None))
+                                 trend=r.monitor.trend if r.monitor is not None else None, notes=r.judge.notes))
             if isinstance(done, Reached):
                 return done
             raise done
@@ -555,7 +570,8 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         if feed is None:
             done = end(NoBadStep(k - start, list(history), limit, data_ended=True,
                                  trend=r.monitor.trend if r.monitor is not None else None,
-                                 epochs=None if r.stream.callable else r.stream.epoch + 1, last=last()))
+                                 epochs=None if r.stream.callable else r.stream.epoch + 1, last=last(),
+                                 notes=r.judge.notes))
             if isinstance(done, Reached):
                 return done
             raise done

@@ -110,7 +110,8 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
         if (st.rms > factor * hi and hi > 0) or (st.absmax > factor * max(top) and max(top) > 0):
             x = leaf.tensor.detach().float()
             hit = torch.isfinite(x) & (x.abs() > max(top))
-            ratio = st.rms / (sorted(rms)[len(rms) // 2])
+            mid = sorted(rms)[len(rms) // 2]
+            ratio = st.rms / mid if mid > 0 else float("inf")
             return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=int(hit.sum()),
                                samples=_rows(leaf, hit, max_examples), value=st.absmax,
                                message=(f"{leaf.key} is {ratio:.3g}x its usual size in this batch" if st.rms > factor * hi
@@ -118,10 +119,12 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
                                + f" (rms {st.rms:.3g}, |x| up to {st.absmax:.3g}; the {n} batches before: rms "
                                  f"{lo:.3g}..{hi:.3g}, |x| up to {max(top):.3g})")
         if lo > 0 and st.rms * factor < lo:
+            # a key with no spread in this batch (one sample normalised by its own mean, all zeros) has rms 0
+            smaller = f"{lo / st.rms:.3g}x smaller than" if st.rms > 0 else "all zeros, unlike"
             return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=leaf.tensor.numel(),
                                samples=tuple(range(min(max_examples, leaf.shape[0] if leaf.shape else 0))),
                                value=st.rms,
-                               message=f"{leaf.key} is {lo / st.rms:.3g}x smaller than in any of the {n} batches "
+                               message=f"{leaf.key} is {smaller} any of the {n} batches "
                                        f"before (rms {st.rms:.3g} vs {lo:.3g}..{hi:.3g})")
         return None
     if st.length is not None:

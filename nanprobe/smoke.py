@@ -204,6 +204,7 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
                              "Lower --steps, raise the target's 'epochs', or give more batches") from None
         history = list(done.history)
         skips, notes = _scaler_skips(history)
+        notes = notes + tuple(f"warning: {n}" for n in done.notes)
         report = Report(command="smoke", entry=loaded.entry, step=None, status=Status.FINITE,
                         device=describe_device(device), precision=prec.value,
                         history=tuple(history[-cfg.replay.history:]), notes=notes,

@@ -372,6 +372,25 @@ def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
             del group[k]
 
 
+def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any],
+                             groups: list[list[torch.Tensor]]) -> None:
+    """The param groups as they were (the same parameter objects in each): groups a step added since are
+    dropped, groups it removed come back with their saved hyper-parameters."""
+    have = opt.param_groups
+    if len(have) == len(groups) and all(len(g["params"]) == len(ps) and all(a is b for a, b in zip(g["params"], ps))
+                                        for g, ps in zip(have, groups)):
+        return
+    rebuilt = []
+    for i, ps in enumerate(groups):
+        g = have[i] if i < len(have) else {k: copy.deepcopy(v) for k, v in layout["groups"][i].items()}
+        g["params"] = list(ps)
+        rebuilt.append(g)
+    opt.param_groups[:] = rebuilt
+    keep = {id(p) for ps in groups for p in ps}
+    for p in [p for p in opt.state if id(p) not in keep]:
+        del opt.state[p]
+
+
 def _restore_groups_only(opt: torch.optim.Optimizer, layout: dict[str, Any]) -> None:
     """Put back each param group's hyper-parameters (a step may set the LR by hand)."""
     for group, want in zip(opt.param_groups, layout["groups"]):
@@ -429,6 +448,10 @@ class Snapshot:
     user: list[_Held] = field(default_factory=list)
     store: TensorStore | None = None
     clean: list[tuple[torch.Tensor, int, int, torch.dtype]] | None = None   # after the last full restore
+    # each optimizer's param groups (the parameter objects): a step may add a group (gradual unfreezing:
+    # optimizer.add_param_group) or flip requires_grad, and a restore puts both back
+    groups: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    trainable: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
 
     @property
     def model(self) -> SavedModel:
@@ -466,6 +489,11 @@ class Snapshot:
         update), only the parts a forward and backward pass change are written back (buffers, RNG,
         flags, carried state, LR groups, schedulers, GradScalers) and gradients are dropped.
         """
+        for (_, opt), layout, groups in zip(objects.optimizers, self.optimizers, self.groups):
+            _restore_group_structure(opt, layout, groups)
+        for p, flag in self.trainable:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
         full = not (partial_ok and self._untouched(objects))
         params = set() if full else {id(p) for p in objects.model.parameters()}
         with torch.no_grad():
@@ -617,6 +645,8 @@ class Objects:
             attrs=[(m, name, _value(getattr(m, name, None)), qual) for m, name, qual in self.attrs],
             user=capture_user_state(self.fns, [t for _, t in named]),
             store=store,
+            groups=[[list(g["params"]) for g in o.param_groups] for _, o in self.optimizers],
+            trainable=[(p, p.requires_grad) for p in self.model.parameters()],
         )
 
 

@@ -87,7 +87,7 @@ class RunOptions:
     on_phase: Callable[[Phase], None] | None = None
     on_micro: Callable[[int], None] | None = None
     max_grad_norm: float | None = None        # clip at this instead (loss_fn) / in addition (step_fn)
-    lr_scale: float | None = None             # multiply every group's LR for this step
+    lr_scale: float | tuple[float, ...] | None = None   # multiply every group's LR (or each group's) this step
     param_overrides: dict[str, Any] | None = None   # e.g. {"eps": 1e-8} for every param group
     scaler: Any = _KEEP                       # loss_fn: a GradScaler to use instead of the loop's own (None: none)
     stop_before_update: bool = False          # loss_fn: end after the gradients (no optimizer step, no schedule)
@@ -139,10 +139,11 @@ def _override_groups(opt: torch.optim.Optimizer, lr_scale: float | None,
     if lr_scale is None and not param_overrides:
         return saved
     keys = set(param_overrides or ()) | ({"lr"} if lr_scale is not None else set())
-    for g in opt.param_groups:
+    for i, g in enumerate(opt.param_groups):
         saved.append((g, {k: g.get(k, _MISSING) for k in keys}))
-        if lr_scale is not None:
-            g["lr"] = g["lr"] * lr_scale
+        scale = lr_scale[i] if isinstance(lr_scale, tuple) and i < len(lr_scale) else lr_scale
+        if isinstance(scale, (int, float)):
+            g["lr"] = g["lr"] * scale
         if param_overrides:
             g.update(param_overrides)
     return saved
@@ -488,7 +489,9 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
     losses = {k: _scalar(v, loop.where, k) for k, v in losses.items()}
     device = device_of(t.model)
     total = None
-    for v in losses.values():
+    # a dict with a "loss" key is Lightning's convention: that entry is the loss, the others are what the step
+    # reports beside it (accuracy, returns, a counter); a dict without one is several losses (a GAN's), summed
+    for v in ([losses["loss"]] if "loss" in losses else losses.values()):
         v = v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
         v = v.to(device)
         total = v if total is None else total + v

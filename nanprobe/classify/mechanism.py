@@ -50,13 +50,16 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
     # a slow mechanism began before the failure: a precursor first out of its band at the failing step
     # itself (a one-step LR explosion moves every statistic at once) is the failure, not its cause
     signals = [s for s in (trend.signals() if trend is not None else []) if s.onset <= step - trend.cfg.min_lead]
+    if not signals and breakaway is not None and trend is not None:   # what stood behind the break-away
+        behind = trend.behind(breakaway["step"], breakaway["best_step"])
+        signals = [behind] if behind is not None else []
     if status is Status.FINITE or not signals and breakaway is None:
         return findings, None
     near = _near_max(ranges, prec)
     top = findings[0] if findings else None
     if not signals:   # a slow divergence no precursor explains: the break-away itself, with the LR
         from ..divergence import Breakaway
-        ev = [Breakaway.describe(breakaway)]
+        ev = [Breakaway.describe(breakaway)] + ([breakaway["signal"]] if breakaway.get("signal") else [])
         note = trend.lr_note(breakaway["since"]) if trend is not None else None
         if note:
             ev.append(note)
@@ -71,6 +74,20 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
         f = dataclasses.replace(top, evidence=top.evidence + (
             f"also seen: {sig.module} {sig.mechanism.value} from step {sig.onset} (downstream of {top.module})",))
         return [f] + findings[1:], sig.onset
+    if sig.mechanism is Mechanism.LR_SCHEDULE and (top is None or top.cause in (Cause.UNKNOWN, Cause.LR_SPIKE)):
+        # the step size the schedule applied: the LR story leads, whatever the op finding could not tell apart
+        ev = list(sig.evidence) + ([Breakaway_describe(breakaway)] if breakaway is not None else [])
+        note = trend.lr_note(sig.onset)
+        if note:
+            ev.append(note)
+        if top is not None and top.cause is Cause.LR_SPIKE:   # its module: the weights that moved most
+            f = dataclasses.replace(top, evidence=tuple(ev) + top.evidence, mechanism=sig.mechanism, onset=sig.onset)
+        else:
+            f = Finding(cause=Cause.LR_SPIKE, confidence=max(0.75, top.confidence if top is not None else 0.0),
+                        phase=Phase.UPDATE, module=None, op=None, evidence=tuple(ev) + (top.evidence if top else ()),
+                        mechanism=sig.mechanism, onset=sig.onset)
+        return [f] + [dataclasses.replace(x, confidence=min(x.confidence, f.confidence - 0.01))
+                      for x in findings[1:]], sig.onset
     if sig.module is None and top is not None:
         # a run-wide mechanism (loss scale, Adam's eps): the op finding keeps its place, with the mechanism
         f = dataclasses.replace(top, mechanism=sig.mechanism, onset=sig.onset, evidence=top.evidence + sig.evidence)
@@ -102,6 +119,11 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
                 evidence=tuple(ev), mechanism=sig.mechanism, onset=sig.onset)
     rest = [dataclasses.replace(x, confidence=min(x.confidence, f.confidence - 0.01)) for x in findings]
     return [f] + rest, sig.onset
+
+
+def Breakaway_describe(facts: dict[str, Any]) -> str:
+    from ..divergence import Breakaway
+    return Breakaway.describe(facts)
 
 
 __all__ = ["mechanism_findings"]
