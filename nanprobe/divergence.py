@@ -489,6 +489,9 @@ EARLY = 3   # the first losses whose median is a best level before a full window
 # A break-away is a failure only with a second, independent signal behind it. The gradient norm's level over
 # the break-away against its level where the loss was best: this many times higher is a sustained rise.
 GRAD_RISE = 10.0
+# ... and this many times lower is a collapse: the loss rose and the gradients died with it (dead ReLUs, saturated
+# outputs): the run stopped learning
+GRAD_COLLAPSE = 5.0
 
 
 class Judge:
@@ -521,6 +524,9 @@ class Judge:
             if a > 0 and b >= GRAD_RISE * a:
                 return (f"the gradient norm rose with it: level {b:.3g} since step {since} against {a:.3g} where "
                         f"the loss was best ({b / a:.0f}x)")
+            if b > 0 and a >= GRAD_COLLAPSE * b:
+                return (f"the gradient norm collapsed with it: level {b:.3g} since step {since} against {a:.3g} where "
+                        f"the loss was best ({a / b:.0f}x lower): the model stopped learning (dead or saturated units)")
         return self.second(facts) if self.second is not None else None
 
     def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:

@@ -95,8 +95,19 @@ def kept_learning(losses: list[tuple[int, float]], best: tuple[float, int, float
     tol = max(3 * sigma, 0.05 * abs(level))
     if now <= level + tol:
         return None
+    if still_falling(losses, tol):
+        return (f"not yet back at the unfixed run's best level {level:.3g} (step {step}) by the horizon's end: its "
+                f"loss ends at {now:.3g} and is still falling")
     return (f"stopped learning: its loss ends at {now:.3g}, above the unfixed run's best level {level:.3g} "
             f"(step {step}) by more than the noise ({tol:.2g})")
+
+
+def still_falling(losses: list[tuple[int, float]], tol: float) -> bool:
+    """The run's last 5 losses (median) are below its first 5 by more than ``tol``: it is learning, slowly."""
+    if len(losses) < 10:
+        return False
+    first = statistics.median(v for _, v in losses[:5])
+    return statistics.median(v for _, v in losses[-5:]) < first - tol
 
 
 def came_back(losses: list[tuple[int, float]], level: tuple[float, int, float]) -> str | None:
@@ -170,6 +181,9 @@ class Horizon:
         else:
             self._replay_to(loaded, start)
             self._own_snapshot = True
+        bk = reached.breakaway   # the replay saw the whole run: its best level before the break-away
+        if bk is not None and bk["best_step"] < start and (self.best is None or bk["best"] < self.best[0]):
+            self.best = (bk["best"], bk["best_step"], bk["sigma"] / math.sqrt(5))
         self.setup_seconds = time.perf_counter() - t0
 
     def _replay_to(self, loaded, start: int) -> None:
@@ -367,6 +381,9 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
         info["reason"] = stopped
         info["loss_fixed"] = _tail_mean(fixed.losses)
         info["best_before"] = h.best[0]
+        if stopped.startswith("not yet back"):   # learning, slower than the horizon: neither held nor failed
+            return None, (f"not verified: trained to step {last} without failing, but {stopped} (a longer "
+                          "horizon.margin would tell)"), info
         return False, f"trained to step {last} without failing, but {stopped}", info
     info["held"] = True
     info["loss_fixed"] = _tail_mean(fixed.losses)

@@ -617,8 +617,10 @@ class OriginTracker:
         entered = not (born_nan or born_inf)
         if entered and (trace.events or trace.entered is not None):
             return
-        if entered and not out_nan and not any(any(k) for k in in_kinds):
-            return   # +-inf from a Python scalar (scalar_tensor(-inf), full(..., -inf)): an intended mask constant
+        if entered and not out_nan and not out_pos and not any(k[0] or k[1] for k in in_kinds):
+            # -inf from a Python scalar (scalar_tensor(-inf), full(..., -inf)) or passed on from a -inf input (a
+            # causal mask added to the scores): an intended mask, never an origin
+            return
 
         # the kind of the first output with a non-finite value (an op's scratch outputs, e.g. ctc_loss's
         # uninitialised log_alpha, must not decide it)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 UPDATE_SAMPLE = 256        # entries per parameter read for |dw|/|w| and the update's cosine with -grad
 ACTIVATIONS_EVERY = 10     # outside fp16, the largest activation is read every this many steps (replay, smoke)
+UPDATE_RISE = 3.0          # the update size over a break-away this many times its level at the loss's best: a rise
 ASCENT_SAMPLES = 3         # monitored steps in a row whose update climbs the gradient: an applied LR below zero
 
 
@@ -559,9 +561,11 @@ class Trend:
             vals = [x for _, x in loss]
             lv = [sorted(vals[max(0, i - 4):i + 1])[min(i, 4) // 2] for i in range(len(vals))]
             b = loss[min(range(len(lv)), key=lv.__getitem__)][0]
-            at_best, now = self.lr_at(b), lr[-1][1]
+            at_best, now = self.lr_at(b - 1) or self.lr_at(b), lr[-1][1]   # the LR the best level was reached with
             if at_best and at_best > 0 and now >= 2 * at_best and now >= lr[-2][1] and b < lr[-1][0]:
-                out.append(Signal(mechanism=Mechanism.LR_SCHEDULE, module=None, onset=b, evidence=(
+                # from the loss's best level, the first step the schedule took the LR further up
+                up = next((s for s, x in lr if s >= b and x > 1.2 * at_best), b)
+                out.append(Signal(mechanism=Mechanism.LR_SCHEDULE, module=None, onset=up, evidence=(
                     f"the LR schedule kept raising the LR past the loss's best level: {at_best:.3g} at step {b} -> "
                     f"{now:.3g} at step {lr[-1][0]} ({now / at_best:.1f}x, still rising)",),
                     growth=now / at_best, independent=False, key="optimizer/lr"))
@@ -579,6 +583,20 @@ class Trend:
             if sig.independent and sig.onset <= step:
                 return sig
         return self._grew_since(best_step) if best_step is not None else None
+
+    def update_rise(self, best: int, since: int) -> str | None:
+        """The update size |dw|/|w| over a break-away (from ``since``) against its level where the loss was best:
+        ``UPDATE_RISE`` times higher is a sustained rise (an LR jump, a schedule gone wrong), or None."""
+        pts = self.series.get("update/ratio", [])
+        healthy = [x for s, x in pts if s <= best][-max(self.cfg.baseline_samples, 1):]
+        now = [x for s, x in pts if s >= since]
+        if len(now) < 3 or not healthy:
+            return None
+        a, b = statistics.median(healthy), statistics.median(now)
+        if a <= 0 or b < UPDATE_RISE * a:
+            return None
+        return (f"the update size rose with it: |dw|/|w| {b:.2g} since step {since} against {a:.2g} where the loss was "
+                f"best ({b / a:.0f}x)")
 
     def _grew_since(self, best: int) -> Signal | None:
         """A precursor that left the level it had where the loss was best (the healthy stretch of a run that
@@ -608,6 +626,21 @@ class Trend:
             return Signal(mechanism=mech, module=module or None, onset=onset, evidence=(
                 f"{what} grew from {_fmt(base)} where the loss was at its best (step {best}) to {_fmt(last)} by step "
                 f"{step} ({last / base:.0f}x); past {_fmt(cut)} from step {onset}",), growth=last / base, key=key)
+        acts = self.series.get("activations/max", [])
+        ref = [x for s, x in acts if s <= best][-max(c.baseline_samples, 1):]
+        if ref and len(acts) >= 3:
+            # the largest activation, growth_factor^2 times its level at the loss's best: no confident head grows
+            # like that (a classifier's logits do by growth_factor)
+            base = max(min(ref), 1e-6)
+            step, last = _recent_peak(acts)
+            cut = c.growth_factor ** 2 * base
+            if last >= cut:
+                onset = self._exit(acts, lambda x: x > c.growth_factor * base, best) or step
+                who = dict(self.closest).get(step) or (self.closest[-1][1] if self.closest else None)
+                return Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=who, onset=onset, evidence=(
+                    f"the largest activation grew from {_fmt(base)} where the loss was at its best (step {best}) to "
+                    f"{_fmt(last)} by step {step} ({last / base:.0f}x, in {who}); past {_fmt(c.growth_factor * base)} "
+                    f"from step {onset}",), growth=last / base, key="activations/max")
         return None
 
     def lr_note(self, onset: int) -> str | None:

@@ -259,8 +259,15 @@ class Replayer:
 
     def _precursor(self, facts: dict[str, Any]) -> str | None:
         """The precursor behind a break-away of the loss: an independent monitor signal out of its band."""
-        sig = self.monitor.trend.behind(facts["step"], facts["best_step"])
-        return None if sig is None else f"{sig.mechanism.value}: {sig.headline()}"
+        trend = self.monitor.trend
+        sig = trend.behind(facts["step"], facts["best_step"])
+        if sig is not None:
+            return f"{sig.mechanism.value}: {sig.headline()}"
+        # a rise the step size explains is judged over a longer stretch: a warm restart's bump comes back, an LR
+        # jump that broke the run does not
+        if facts["step"] - facts["since"] + 1 >= 3 * self.judge.slow.patience:
+            return trend.update_rise(facts["best_step"], facts["since"])
+        return None
 
     def light(self) -> _Light:
         return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],

@@ -34,11 +34,14 @@ def _near_max(ranges, prec: Precision, factor: float = 2.0) -> list[str]:
 
 
 def _pick(signals: list[Signal], origin_module: str | None) -> Signal:
-    """The signal that explains the failure: the one in the origin's module, else the attention layer
-    whose logits grew most, else the earliest."""
+    """The signal that explains the failure: the one in the origin's module, else the LR schedule, else the
+    attention layer whose logits grew most, else the earliest."""
     for s in signals:
         if origin_module and s.module and (origin_module == s.module or origin_module.startswith(s.module + ".")):
             return s
+    lr = [s for s in signals if s.mechanism is Mechanism.LR_SCHEDULE]
+    if lr:   # the schedule kept raising the LR (or applied it below zero) where the run broke: the root of the rest
+        return lr[0]
     attn = [s for s in signals if s.mechanism is Mechanism.ATTENTION_LOGIT_GROWTH]
     return max(attn, key=lambda s: s.growth) if attn else signals[0]
 
@@ -71,9 +74,10 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
             and not (top.module == sig.module or top.module.startswith(sig.module + ".")):
         # the finding already places the failure elsewhere by its own evidence (its origin, the weights that
         # moved most): a statistic that grew in another module is seen downstream of it, not its cause
-        f = dataclasses.replace(top, evidence=top.evidence + (
+        onset = breakaway["since"] if breakaway is not None else top.onset
+        f = dataclasses.replace(top, onset=onset, evidence=top.evidence + (
             f"also seen: {sig.module} {sig.mechanism.value} from step {sig.onset} (downstream of {top.module})",))
-        return [f] + findings[1:], sig.onset
+        return [f] + findings[1:], onset
     if sig.mechanism is Mechanism.LR_SCHEDULE and (top is None or top.cause in (Cause.UNKNOWN, Cause.LR_SPIKE)):
         # the step size the schedule applied: the LR story leads, whatever the op finding could not tell apart
         ev = list(sig.evidence) + ([Breakaway_describe(breakaway)] if breakaway is not None else [])
