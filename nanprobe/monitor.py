@@ -349,6 +349,7 @@ class Trend:
     def __init__(self, cfg: MonitorConfig, dtype: torch.dtype | None, classes: int | None = None):
         self.cfg, self.dtype = cfg, dtype
         self.classes = classes     # the output head's width (log Z is read against log of it)
+        self.best_step: int | None = None   # where the loss's level was best, when the judge saw it break away
         self.series: dict[str, list[tuple[int, float]]] = {}
         self.closest: list[tuple[int, str]] = []
         self.warnings: list[dict[str, Any]] = []
@@ -560,7 +561,8 @@ class Trend:
         if len(lr) >= 3 and len(loss) >= 3:
             vals = [x for _, x in loss]
             lv = [sorted(vals[max(0, i - 4):i + 1])[min(i, 4) // 2] for i in range(len(vals))]
-            b = loss[min(range(len(lv)), key=lv.__getitem__)][0]
+            # the loss's best level: the break-away's (every step, a window of 10) where the judge found one
+            b = self.best_step if self.best_step is not None else loss[min(range(len(lv)), key=lv.__getitem__)][0]
             at_best, now = self.lr_at(b - 1) or self.lr_at(b), lr[-1][1]   # the LR the best level was reached with
             if at_best and at_best > 0 and now >= 2 * at_best and now >= lr[-2][1] and b < lr[-1][0]:
                 # from the loss's best level, the first step the schedule took the LR further up

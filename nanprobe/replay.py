@@ -260,6 +260,7 @@ class Replayer:
     def _precursor(self, facts: dict[str, Any]) -> str | None:
         """The precursor behind a break-away of the loss: an independent monitor signal out of its band."""
         trend = self.monitor.trend
+        trend.best_step = facts["best_step"]
         sig = trend.behind(facts["step"], facts["best_step"])
         if sig is not None:
             return f"{sig.mechanism.value}: {sig.headline()}"

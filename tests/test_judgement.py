@@ -238,3 +238,43 @@ def test_a_key_with_zero_spread_is_not_a_division_by_zero():
     before = [[{"adv": torch.randn(16)}] for _ in range(4)]
     problems = batch_shift([{"adv": torch.zeros(1)}], before, step=4)
     assert problems and "all zeros" in problems[0].message
+
+
+# -- an intended mask is never the origin ---------------------------------------------------------------
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention with a causal mask of -inf added to the scores (nn.Transformer's generate_square_subsequent_mask),
+    and one built from a Python float (transformers' sdpa_attention: scalar_tensor(-inf))."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        scores = q @ k.transpose(-2, -1)
+        n = x.shape[1]
+        causal = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+        floor = torch.scalar_tensor(float("-inf"))
+        scores = torch.maximum(scores + causal, floor)
+        return torch.softmax(scores, -1).sum()
+
+
+def test_an_intended_minus_inf_mask_is_not_where_a_value_entered():
+    from nanprobe.instrument import OriginTracker
+    model = _MaskedAttention()
+    with OriginTracker(model, None, low_dtype=None, batch_size=2) as t:
+        loss = model(torch.randn(2, 5, 8))
+        t.set_phase(__import__("nanprobe.report", fromlist=["Phase"]).Phase.BACKWARD)
+        loss.backward()
+    assert torch.isfinite(loss) and t.trace.entered is None and not t.trace.events
+
+
+# -- a fix's parameters fit the run --------------------------------------------------------------------
+
+def test_a_warm_up_fix_spans_the_run_it_is_for():
+    from types import SimpleNamespace
+
+    from nanprobe.fixes import warmup_steps
+    assert [warmup_steps(SimpleNamespace(reached=SimpleNamespace(step=n))) for n in (3, 200, 400, 10_000)] \
+        == [10, 100, 200, 1000]

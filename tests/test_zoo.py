@@ -151,5 +151,20 @@ def test_an_early_divergence_that_never_recovers_is_diverging_and_a_fix_that_sto
         "failed" in lower.verify_note
 
 
+def test_smoke_and_run_train_the_fixes_from_the_same_step_and_judge_them_alike():
+    """One horizon start and one criterion: smoke (trained from scratch) reaches the onset as run's replay
+    does."""
+    name = "mnist_onecycle_lr1"
+    t = _truth(name)
+    ran = diagnose(entry(name), max_steps=t["steps"])
+    smoked = smoke(entry(name), steps=t["steps"]).report
+    assert (ran.step, ran.top.onset) == (smoked.step, smoked.top.onset)
+
+    def verdicts(r):
+        return [(f.title, f.verified, (f.verification or {}).get("from_step")) for f in r.top.fixes]
+    assert verdicts(ran) == verdicts(smoked)
+    assert {v for _, _, v in verdicts(ran) if v is not None} == {ran.top.onset}
+
+
 if __name__ == "__main__":   # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
