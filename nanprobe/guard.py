@@ -445,6 +445,9 @@ class Guard:
         update, self._update = self._update, None
         loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
             loss, norm, scaler, (rank, world) if world > 1 else None, update[1] if update is not None else None)
+        # the flag is the largest L2 norm: finite weights whose squares pass 3.4e38 (a 1e38 sentinel row) read
+        # as inf there; the exact check confirms it (rare path, every rank is here: the flag was reduced)
+        weights_bad = weights_bad and not weights_finite(self.model)
         if update is not None:
             self._updates.read(update[0], not weights_bad)
         if weights_bad:   # the last checked update made weights non-finite: name it (raises, but under "record")

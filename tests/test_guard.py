@@ -512,3 +512,25 @@ def test_an_update_a_forward_then_uses_is_named_at_its_step_between_reads(tmp_pa
     event = info.value.event
     assert event.step == 6 and event.reason.startswith("the SGD update of step 6 made the weights non-finite: ")
     assert "one of the updates of steps 1-6 made them non-finite; this report names the last, step 6" in event.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_weights_whose_squares_overflow_are_finite(tmp_path, dtype):
+    """An embedding with a finite "never used" sentinel row at the dtype's edge (1e38; fp16: 6e4): its sum of
+    squares overflows, the weights do not. Read after every update, they never stop the run."""
+    from nanprobe.config import Config, GuardConfig
+
+    torch.manual_seed(0)
+    edge = 1e38 if dtype != torch.float16 else 6e4
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 1)).to(dtype)
+    with torch.no_grad():
+        model[0].weight[9] = edge
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = Guard(model, opt, config=Config(guard=GuardConfig(check_updates_every=1, capsule_dir=str(tmp_path))))
+    for step in range(6):
+        x = torch.randint(0, 9, (16, 2))
+        with guard.step(x):
+            opt.zero_grad()
+            guard.backward(((model(x).float() - 1) ** 2).mean())
+        assert guard.optimizer_step(), step
+    assert float(model[0].weight[9, 0].detach()) == pytest.approx(edge, rel=1e-2) and not list(tmp_path.iterdir())

@@ -278,6 +278,9 @@ class HookedGuard:
         elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
             # this rank's loss is finite: its non-finite gradients came through the gradient reduction
             reason, local = rank_reason(reason or "bad step", loss_rank), False
+        # the flag is the largest L2 norm: finite weights whose squares pass 3.4e38 (a 1e38 sentinel row) read
+        # as inf there; the exact check confirms it (rare path, every rank is here: the flag was reduced)
+        weights_bad = weights_bad and not weights_finite(self.model)
         if update is not None:
             self.updates.read(update[0], not weights_bad)
         if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
