@@ -310,3 +310,16 @@ def test_watch_explains_a_nan_born_in_a_criterion_module_outside_the_model(tmp_p
     assert all(e.command.startswith(f"nanprobe watch --at {e.step} ") and e.command.endswith(f"-- python {script}")
                for e in result.events), [e.command for e in result.events]
     assert report["watch"]["replay"] == result.events[0].command
+
+
+def test_a_skipped_update_leaves_the_script_its_gradients(tmp_path, capsys):
+    """watch skips step 2's update (a NaN in its batch); the script reads p.grad after optimizer.step() as a
+    Siamese tutorial does: it finds the gradients it would after a step it skipped itself (NaN there), not
+    None (an AttributeError used to end the run)."""
+    result = watch(["python", str(WATCH / "grad_after_step.py")], dirpath=tmp_path)
+    out = capsys.readouterr().out
+    assert result.exit_code == 0 and result.error is None, out
+    assert [e.step for e in result.events] == [2]
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 5 and "finite False" in lines[2] and all("finite True" in x for i, x in enumerate(lines)
+                                                                    if i != 2), lines

@@ -95,7 +95,9 @@ def resolve_config(config: Any, where: str, **guard: Any) -> Config:
 
 def skip_update(optimizers: Iterable[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None = None) -> None:
     """Make the coming ``optimizer.step()`` of each optimizer change nothing (weights and optimizer state):
-    its gradients are set to None (torch's optimizers skip parameters without a gradient).
+    its gradients are set to None for the step (torch's optimizers skip parameters without a gradient) and
+    put back once it returns, so the script sees the gradients it would after a step it skipped itself
+    (``p.grad.norm()`` after ``optimizer.step()`` keeps working).
 
     Where a GradScaler has not unscaled an optimizer's gradients yet, its ``step()`` must still find
     them (it records its inf checks there): they are dropped inside ``optimizer.step()`` instead, by a
@@ -115,9 +117,21 @@ def skip_update(optimizers: Iterable[torch.optim.Optimizer], scaler: torch.amp.G
 
 
 def _drop_grads(opt: torch.optim.Optimizer) -> None:
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = None
+    """Gradients off for the coming step, back on after it (a one-shot step post-hook)."""
+    held = [(p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    if not held:
+        return
+    handle = None
+
+    def put_back(o, args, kwargs):
+        for p, g in held:
+            if p.grad is None:
+                p.grad = g
+        handle.remove()
+
+    handle = opt.register_step_post_hook(put_back)
 
 
 def _scaler_stage(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> str:
