@@ -107,10 +107,13 @@ def run_one(cmd: str, truth: dict, timeout: float) -> dict:
 
 # -- scoring ----------------------------------------------------------------------------------------
 
-FIX_KINDS = (("qk", "qk_norm"), ("z-loss", "z_loss"), ("zloss", "z_loss"), ("clip", "clip"), ("warm", "warmup"),
-             ("eps", "eps"), ("beta", "beta2"), ("weight decay", "weight_decay"), ("weight_decay", "weight_decay"),
-             ("bf16", "precision"), ("fp32", "precision"), ("precision", "precision"), ("t_total", "schedule"),
-             ("schedule", "schedule"), ("learning rate", "lr"), ("lr", "lr"))
+# the first word found names the fix's kind: what it changes first ("Lower the learning rate ... and warm up to
+# it" lowers the LR; "Warm up longer" warms up)
+FIX_KINDS = (("qk", "qk_norm"), ("z-loss", "z_loss"), ("zloss", "z_loss"), ("clip", "clip"),
+             ("learning rate", "lr"), ("warm", "warmup"), ("eps", "eps"), ("beta", "beta2"),
+             ("weight decay", "weight_decay"), ("weight_decay", "weight_decay"), ("bf16", "precision"),
+             ("fp32", "precision"), ("precision", "precision"), ("t_total", "schedule"), ("schedule", "schedule"),
+             ("lr", "lr"))
 
 
 def fix_kind(text: str) -> str | None:
@@ -267,11 +270,14 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", default=str(ZOO / "scoreboard.json"))
-    p.add_argument("--table", default=None, help="print the tables of a saved --out file and exit")
+    p.add_argument("--table", default=None, help="score a saved --out file against the truth now on disk, print "
+                                                   "its tables and exit")
     a = p.parse_args()
-    if a.table:
+    if a.table:   # the saved runs, scored again against the truth on disk now
         saved = json.loads(Path(a.table).read_text())
-        print(tables(saved["rows"], saved["truths"]))
+        truths = {t["name"]: t for t in programs(None)}
+        rows = [dict(r, score=score(r, truths[r["name"]])) for r in saved["rows"] if r["name"] in truths]
+        print(tables(rows, {k: v for k, v in truths.items() if any(r["name"] == k for r in rows)}))
         return
     truths = {t["name"]: t for t in programs(a.only)}
     cmds = [c for c in a.commands.split(",") if c] + (list(TOOLS) if a.alternatives else [])

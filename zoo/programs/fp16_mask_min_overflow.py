@@ -28,7 +28,8 @@ from _data import char_corpus  # noqa: E402
 
 STEPS = 60
 KIND = "broken"
-FIXES = {"finfo_min": "fill masked keys with torch.finfo(att.dtype).min instead of -1e9 (fits fp16)"}
+FIXES = {"finfo_min": "fill masked keys with torch.finfo(att.dtype).min instead of -1e9 (fits fp16)",
+         "bf16": "train in bf16 autocast instead of fp16 (-1e9 is within its range)"}
 TRUTH = {"cause": "overflow", "mechanism": None, "module": "transformer.h.0.attn", "onset": None,
          "how": ('Public report: https://github.com/huggingface/transformers/pull/17306 (attention-mask values that '
                  'overflow fp16 give rows of -inf and NaN after softmax when a row is fully masked, e.g. causal + '
@@ -200,7 +201,7 @@ def target(config=None):
     model = GPT(GPTConfig(vocab_size=vocab))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     return {"model": model, "loss_fn": loss_fn, "batches": loader, "epochs": 5, "optimizer": opt,
-            "precision": "fp16"}
+            "precision": "bf16" if fix == "bf16" else "fp16"}
 
 
 if __name__ == "__main__":

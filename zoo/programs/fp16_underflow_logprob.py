@@ -28,7 +28,8 @@ from _data import digits  # noqa: E402
 
 STEPS = 300
 KIND = "broken"
-FIXES = {"log_softmax": "return F.log_softmax(x, dim=1) (the example's own code)"}
+FIXES = {"log_softmax": "return F.log_softmax(x, dim=1) (the example's own code)",
+         "bf16": "train in bf16 autocast instead of fp16 (same exponent range as fp32)"}
 TRUTH = {"cause": "underflow", "mechanism": None, "module": "(loss_fn)", "onset": None,
          "how": ('Public report: https://github.com/NVIDIA/apex/issues/379 (softmax -> log -> nll_loss instead of '
                  'CrossEntropyLoss: the log causes floating point underflow / overflow under fp16). Op: F.softmax '
@@ -84,7 +85,7 @@ def target(config=None):
     optimizer = optim.Adadelta(model.parameters(), lr=1.0)
     scheduler = StepLR(optimizer, step_size=23, gamma=0.7)   # the example steps it once per epoch (23 batches)
     return {"model": model, "loss_fn": loss_fn, "batches": loader, "epochs": 20, "optimizer": optimizer,
-            "scheduler": scheduler, "precision": "fp16"}
+            "scheduler": scheduler, "precision": "bf16" if fix == "bf16" else "fp16"}
 
 
 def measure(model, step):
