@@ -243,11 +243,12 @@ def tables(rows: list[dict], truths: dict[str, dict]) -> str:
             cells.append(f"{mark} " + " ".join(bits))
         lines.append(f"| {name} | {t['kind']} | {truth} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("| command | false alarms (healthy) | crashes | top-1 cause | mechanism | onset in range | "
-                 "verified fixes that hold | overhead (median) |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| command | failures detected | false alarms (healthy) | crashes | top-1 cause | mechanism | "
+                 "onset in range | verified fixes that hold | overhead per step (median) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for c in cmds:
         rs = [r for r in rows if r["command"] == c]
+        detected = [r["score"]["alarm"] for r in rs if truths[r["name"]]["kind"] != "healthy"]
         healthy = [r["score"]["false_alarm"] for r in rs if truths[r["name"]]["kind"] == "healthy"]
         crash = [r["score"]["crash"] for r in rs]
         cause = [r["score"].get("cause_ok", False) for r in rs if truths[r["name"]]["kind"] != "healthy"]
@@ -256,7 +257,7 @@ def tables(rows: list[dict], truths: dict[str, dict]) -> str:
         holds = [h["holds"] for r in rs for h in r["score"].get("verified_holds", []) if h["holds"] is not None]
         unknown = sum(1 for r in rs for h in r["score"].get("verified_holds", []) if h["holds"] is None)
         over = [r["score"]["overhead"] for r in rs if r["score"].get("overhead")]
-        lines.append(f"| {c} | {_pct(healthy)} | {_pct(crash)} | {_pct(cause)} | {_pct(mech)} | {_pct(onset)} | "
+        lines.append(f"| {c} | {_pct(detected)} | {_pct(healthy)} | {_pct(crash)} | {_pct(cause)} | {_pct(mech)} | {_pct(onset)} | "
                      f"{_pct(holds)}" + (f" (+{unknown} unmatched)" if unknown else "") + " | "
                      + (f"{statistics.median(over):.2f}x" if over else "-") + " |")
     return "\n".join(lines)
