@@ -600,6 +600,22 @@ class Trend:
         return (f"the update size rose with it: |dw|/|w| {b:.2g} since step {since} against {a:.2g} where the loss was "
                 f"best ({b / a:.0f}x)")
 
+    def onset_since(self, sig: Signal, best: int) -> int | None:
+        """For a run that broke away from its best level at step ``best``: the first sustained exit of ``sig``'s
+        series from its level there (the end of the run's healthy stretch), growth_factor x the smallest of its
+        last samples up to ``best``. None where the series gives none (entropy, the LR: their own onsets stand)."""
+        pts = self.series.get(sig.key or "", [])
+        stat = (sig.key or "").rpartition("/")[2]
+        if stat not in ("max_logit", "logsumexp", "max") or len(pts) < 3:
+            return None
+        log_c = math.log(self.classes) if self.classes and stat == "logsumexp" else 0.0
+        vals = [(s, abs(x - log_c)) for s, x in pts]
+        ref = [x for s, x in vals if s <= best][-max(self.cfg.baseline_samples, 1):]
+        if not ref:
+            return None
+        cut = self.cfg.growth_factor * max(min(ref), 1e-6)
+        return self._exit(vals, lambda x: x > cut, best)
+
     def _grew_since(self, best: int) -> Signal | None:
         """A precursor that left the level it had where the loss was best (the healthy stretch of a run that
         broke away early, before any band after warm-up could form)."""

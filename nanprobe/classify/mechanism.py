@@ -70,6 +70,13 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
                     evidence=tuple(ev), mechanism=None, onset=breakaway["since"])
         return [f] + [x for x in findings if x.cause is not Cause.LR_SPIKE], breakaway["since"]
     sig = _pick(signals, origin_module)
+    if breakaway is not None and trend is not None:
+        # a run that broke away: its healthy stretch ended at the loss's best level; the precursor's onset is
+        # where it left the level it had there (a level every healthy run also passes during warm-up is no onset)
+        later = trend.onset_since(sig, breakaway["best_step"])
+        if later is not None and later > sig.onset:
+            sig = dataclasses.replace(sig, onset=later, evidence=sig.evidence + (
+                f"left its level at the loss's best step {breakaway['best_step']} (10x) from step {later}",))
     if top is not None and top.module and sig.module and sig.mechanism is not Mechanism.ATTENTION_LOGIT_GROWTH \
             and not (top.module == sig.module or top.module.startswith(sig.module + ".")):
         # the finding already places the failure elsewhere by its own evidence (its origin, the weights that
@@ -107,7 +114,7 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
         ev.append(note)
     if near:
         ev.append("within 2x of the dtype max at the failing step: " + ", ".join(near[:6]))
-    others = [s for s in signals if s is not sig]
+    others = [s for s in signals if (s.mechanism, s.module) != (sig.mechanism, sig.module)]
     for s in others[:3]:
         ev.append(f"also: {s.module + ' ' if s.module else ''}{s.mechanism.value} from step {s.onset}")
     if top is not None and top.cause is not Cause.NOT_REPRODUCED and status is not Status.DIVERGING:
