@@ -323,3 +323,11 @@ def test_a_skipped_update_leaves_the_script_its_gradients(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 5 and "finite False" in lines[2] and all("finite True" in x for i, x in enumerate(lines)
                                                                     if i != 2), lines
+
+
+def test_finite_weights_whose_squares_overflow_do_not_stop_a_watched_run(tmp_path, capsys):
+    """A transformers-style 1e38 sentinel row: the weights flag (an L2 norm) overflows, the weights do not. The
+    hook-driven guard (watch, both callbacks) reads them after updates 0 and 10 and lets the run go on."""
+    result = watch(["python", str(WATCH / "sentinel_row.py")], dirpath=tmp_path)
+    assert result.exit_code == 0 and result.steps == 12 and not result.events, [e.reason for e in result.events]
+    assert float(capsys.readouterr().out.split("done ")[1]) == pytest.approx(1e38, rel=1e-6)
