@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..divergence import Breakaway
 from ..monitor import Signal, Trend
 from ..precision import Precision, limits
 from ..report import Cause, Finding, Mechanism, Phase, Status
@@ -61,7 +62,6 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
     near = _near_max(ranges, prec)
     top = findings[0] if findings else None
     if not signals:   # a slow divergence no precursor explains: the break-away itself, with the LR
-        from ..divergence import Breakaway
         ev = [Breakaway.describe(breakaway)] + ([breakaway["signal"]] if breakaway.get("signal") else [])
         note = trend.lr_note(breakaway["since"]) if trend is not None else None
         if note:
@@ -87,7 +87,7 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
         return [f] + findings[1:], onset
     if sig.mechanism is Mechanism.LR_SCHEDULE and (top is None or top.cause in (Cause.UNKNOWN, Cause.LR_SPIKE)):
         # the step size the schedule applied: the LR story leads, whatever the op finding could not tell apart
-        ev = list(sig.evidence) + ([Breakaway_describe(breakaway)] if breakaway is not None else [])
+        ev = list(sig.evidence) + ([Breakaway.describe(breakaway)] if breakaway is not None else [])
         note = trend.lr_note(sig.onset)
         if note:
             ev.append(note)
@@ -130,11 +130,6 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
                 evidence=tuple(ev), mechanism=sig.mechanism, onset=sig.onset)
     rest = [dataclasses.replace(x, confidence=min(x.confidence, f.confidence - 0.01)) for x in findings]
     return [f] + rest, sig.onset
-
-
-def Breakaway_describe(facts: dict[str, Any]) -> str:
-    from ..divergence import Breakaway
-    return Breakaway.describe(facts)
 
 
 __all__ = ["mechanism_findings"]
