@@ -409,7 +409,7 @@ class Trend:
         pts = [x for _, x in self.series.get("train/loss", [])]
         if len(pts) < 10:
             return False
-        lv = [sorted(pts[max(0, i - 4):i + 1])[min(i, 4) // 2] for i in range(len(pts))]
+        lv = _levels(pts)
         d = sorted(abs(b - a) for a, b in zip(pts, pts[1:]))
         sigma = 1.4826 * d[len(d) // 2] / math.sqrt(2)
         best = min(lv)
@@ -560,7 +560,7 @@ class Trend:
         loss = self.series.get("train/loss", [])
         if len(lr) >= 3 and len(loss) >= 3:
             vals = [x for _, x in loss]
-            lv = [sorted(vals[max(0, i - 4):i + 1])[min(i, 4) // 2] for i in range(len(vals))]
+            lv = _levels(vals)
             # the loss's best level: the break-away's (every step, a window of 10) where the judge found one
             b = self.best_step if self.best_step is not None else loss[min(range(len(lv)), key=lv.__getitem__)][0]
             at_best, now = self.lr_at(b - 1) or self.lr_at(b), lr[-1][1]   # the LR the best level was reached with
@@ -586,11 +586,15 @@ class Trend:
                 return sig
         return self._grew_since(best_step) if best_step is not None else None
 
+    def _at(self, pts: list[tuple[int, float]], best: int) -> list[float]:
+        """A series' last ``baseline_samples`` values up to ``best`` (its level where the loss was at its best)."""
+        return [x for s, x in pts if s <= best][-max(self.cfg.baseline_samples, 1):]
+
     def update_rise(self, best: int, since: int) -> str | None:
         """The update size |dw|/|w| over a break-away (from ``since``) against its level where the loss was best:
         ``UPDATE_RISE`` times higher is a sustained rise (an LR jump, a schedule gone wrong), or None."""
         pts = self.series.get("update/ratio", [])
-        healthy = [x for s, x in pts if s <= best][-max(self.cfg.baseline_samples, 1):]
+        healthy = self._at(pts, best)
         now = [x for s, x in pts if s >= since]
         if len(now) < 3 or not healthy:
             return None
@@ -610,7 +614,7 @@ class Trend:
             return None
         log_c = math.log(self.classes) if self.classes and stat == "logsumexp" else 0.0
         vals = [(s, abs(x - log_c)) for s, x in pts]
-        ref = [x for s, x in vals if s <= best][-max(self.cfg.baseline_samples, 1):]
+        ref = self._at(vals, best)
         if not ref:
             return None
         cut = self.cfg.growth_factor * max(min(ref), 1e-6)
@@ -632,7 +636,7 @@ class Trend:
             else:
                 continue
             vals = [(s, f(x)) for s, x in pts]
-            ref = [x for s, x in vals if s <= best][-max(c.baseline_samples, 1):]
+            ref = self._at(vals, best)
             if not ref or len(vals) < 3:
                 continue
             base = max(min(ref), 1.0)   # logits and log Z in nats: below 1 is no level to grow from
@@ -645,7 +649,7 @@ class Trend:
                 f"{what} grew from {_fmt(base)} where the loss was at its best (step {best}) to {_fmt(last)} by step "
                 f"{step} ({last / base:.0f}x); past {_fmt(cut)} from step {onset}",), growth=last / base, key=key)
         acts = self.series.get("activations/max", [])
-        ref = [x for s, x in acts if s <= best][-max(c.baseline_samples, 1):]
+        ref = self._at(acts, best)
         if ref and len(acts) >= 3:
             # the largest activation, growth_factor^2 times its level at the loss's best: no confident head grows
             # like that (a classifier's logits do by growth_factor)
@@ -727,6 +731,11 @@ _WARN_FIXES = {
     Mechanism.ACTIVATION_GROWTH: "bf16 instead of fp16, a lower LR",
     Mechanism.ADAM_SECOND_MOMENT: "a smaller AdamW eps (1e-15) or a lower beta2",
 }
+
+
+def _levels(vals: list[float]) -> list[float]:
+    """The running median of 5 samples: a monitored series' level."""
+    return [sorted(vals[max(0, i - 4):i + 1])[min(i, 4) // 2] for i in range(len(vals))]
 
 
 def _clean(x: float) -> float:
