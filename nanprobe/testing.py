@@ -12,9 +12,9 @@ import os
 import tempfile
 from typing import Any
 
-from .config import Config
-from .precision import Precision
-from .smoke import SmokeResult, smoke
+from .base.config import Config
+from .base.precision import Precision
+from .pipeline.smoke import SmokeResult, smoke
 
 
 def assert_trains_finite(entry_or_target: Any, steps: int = 20, precision: str | Precision | None = None, *,

@@ -33,10 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nanprobe.entry import load_target  # noqa: E402
-from nanprobe.guard import Guard  # noqa: E402
-from nanprobe.step import make_scaler  # noqa: E402
-from nanprobe.precision import autocast_context, device_of, parse_precision  # noqa: E402
+from nanprobe.reach.entry import load_target  # noqa: E402
+from nanprobe.live.guard import Guard  # noqa: E402
+from nanprobe.reach.step import make_scaler  # noqa: E402
+from nanprobe.base.precision import autocast_context, device_of, parse_precision  # noqa: E402
 
 DEFAULT_ENTRY = ROOT / "examples" / "healthy_transformer.py"
 
@@ -197,8 +197,8 @@ def main() -> None:
 
 def _monitor_cost(model, opt, plain, data, cursor, pairs: int, precision) -> None:
     """A monitored step (hooks, attention mode, one read-back) against a plain one, interleaved."""
-    from nanprobe.config import load_config
-    from nanprobe.monitor import Monitor
+    from nanprobe.base.config import load_config
+    from nanprobe.judge.monitor import Monitor
     cfg = load_config().monitor
     mon = Monitor(model, cfg, dtype=precision.dtype if precision.low else None, every=1)
     clock = time.thread_time

@@ -27,11 +27,11 @@ sys.path.insert(0, str(EXAMPLES))
 
 import attention_logit_growth  # noqa: E402
 
-from nanprobe.config import load_config  # noqa: E402
-from nanprobe.entry import load_target  # noqa: E402
-from nanprobe.horizon import Horizon  # noqa: E402
-from nanprobe.remedy import Remedy  # noqa: E402
-from nanprobe.replay import reach  # noqa: E402
+from nanprobe.base.config import load_config  # noqa: E402
+from nanprobe.reach.entry import load_target  # noqa: E402
+from nanprobe.remedy.horizon import Horizon  # noqa: E402
+from nanprobe.remedy.change import Remedy  # noqa: E402
+from nanprobe.reach.replay import reach  # noqa: E402
 
 
 def proxy_fp32():

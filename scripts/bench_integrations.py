@@ -215,7 +215,7 @@ def transformers_run(blocks: Blocks, steps: int, tmp: str, size: str) -> None:
 def watch_run(blocks: Blocks, steps: int, tmp: str, size: str) -> None:
     """The loop a script writes (loss inside the model's forward, clipping, a scheduler), inside the
     Watcher `nanprobe watch` puts around the script in "on" blocks."""
-    from nanprobe.hooked import resolve_config
+    from nanprobe.live import resolve_config
     from nanprobe.watch import Watcher
 
     class WithLoss(nn.Module):
@@ -261,7 +261,7 @@ RUNS = {"lightning": lightning_run, "transformers": transformers_run, "watch": w
 
 def _entry_points(name: str) -> list[tuple[object, str]]:
     """The methods through which the framework (or the script) enters nanprobe during a step."""
-    from nanprobe.hooked import HookedGuard
+    from nanprobe.live import HookedGuard
     if name == "lightning":
         from nanprobe.integrations.lightning import NanprobeCallback
         return [(NanprobeCallback, m) for m in ("on_train_epoch_start", "on_train_batch_start", "on_before_backward",

@@ -73,7 +73,7 @@ def _build(size: str, device: str):
 
 
 def _target(size: str, device: str):
-    from nanprobe.target import to_device, validate
+    from nanprobe.reach.target import to_device, validate
 
     t = validate(_build(size, "cpu"), "bench")
     return to_device(t, device) if device != "cpu" else t
@@ -117,11 +117,11 @@ def child_run(size: str, at: int, device: str) -> dict:
     """``nanprobe run --at N`` on target B, with the user's own loop on an identical target A stepped
     right after each replayed step (interleaved, so both see the same machine load); then the
     diagnosis, and the user's step / nanprobe's plain and instrumented reruns, interleaved too."""
-    from nanprobe.config import load_config
-    from nanprobe.diagnose import diagnose_target
-    from nanprobe.entry import Loaded
-    from nanprobe.replay import reach
-    from nanprobe.rerun import run_step
+    from nanprobe.base.config import load_config
+    from nanprobe.pipeline.diagnose import diagnose_target
+    from nanprobe.reach.entry import Loaded
+    from nanprobe.reach.replay import reach
+    from nanprobe.locate.rerun import run_step
 
     import torch
     cfg = load_config()
@@ -157,7 +157,7 @@ def child_run(size: str, at: int, device: str) -> dict:
 
     # the reruns as the diagnosis makes them: restored at their start (only what a forward pass changes,
     # when the step before stopped before its update), no restore after
-    from nanprobe.report import Phase
+    from nanprobe.base.report import Phase
     fwd_bwd = frozenset({Phase.FORWARD, Phase.BACKWARD})
     anomaly, full = [], []
     for _ in range(4):
@@ -188,9 +188,9 @@ def child_run(size: str, at: int, device: str) -> dict:
 
 def child_peak(size: str, at: int, device: str) -> dict:
     """The whole-process peak RSS of ``nanprobe run --at N`` (nothing else in the process)."""
-    from nanprobe.config import load_config
-    from nanprobe.diagnose import diagnose_target
-    from nanprobe.entry import Loaded
+    from nanprobe.base.config import load_config
+    from nanprobe.pipeline.diagnose import diagnose_target
+    from nanprobe.reach.entry import Loaded
 
     cfg = load_config()
     t = _target(size, device)
@@ -202,8 +202,8 @@ def child_peak(size: str, at: int, device: str) -> dict:
 def child_capsule_write(size: str, at: int, device: str) -> dict:
     """The capsule of step N (as smoke writes it), into $NANPROBE_BENCH_DIR: its size and this process's peak."""
     from nanprobe import capsule
-    from nanprobe.config import load_config
-    from nanprobe.replay import reach
+    from nanprobe.base.config import load_config
+    from nanprobe.reach.replay import reach
 
     t = _target(size, device)
     reached = reach(t, at=at, precision=t.precision, cfg=load_config().replay, where="bench")
@@ -216,9 +216,9 @@ def child_capsule_write(size: str, at: int, device: str) -> dict:
 def child_capsule_read(size: str, at: int, device: str) -> dict:
     """``nanprobe run --capsule`` on that capsule, alone in its process: the peak RSS."""
     from nanprobe.capsule import list_capsules, reach_from_capsule
-    from nanprobe.config import load_config
-    from nanprobe.diagnose import diagnose_target
-    from nanprobe.entry import Loaded
+    from nanprobe.base.config import load_config
+    from nanprobe.pipeline.diagnose import diagnose_target
+    from nanprobe.reach.entry import Loaded
 
     t = _target(size, device)
     loaded = Loaded(target=t, entry="bench", module="", function="", path=None, lineno=None)
@@ -230,9 +230,9 @@ def child_capsule_read(size: str, at: int, device: str) -> dict:
 
 def child_compare(size: str, at: int, device: str) -> dict:
     from nanprobe.compare import compare_precisions
-    from nanprobe.config import load_config
-    from nanprobe.entry import Loaded
-    from nanprobe.replay import reach
+    from nanprobe.base.config import load_config
+    from nanprobe.reach.entry import Loaded
+    from nanprobe.reach.replay import reach
     cfg = load_config()
     t = _target(size, device)
     loaded = Loaded(target=t, entry="bench", module="", function="", path=None, lineno=None)

@@ -19,9 +19,9 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nanprobe.config import load_config
-from nanprobe.scan import infer_num_classes, scan_data
-from nanprobe.target import Target
+from nanprobe.base.config import load_config
+from nanprobe.pipeline.scan import infer_num_classes, scan_data
+from nanprobe.reach.target import Target
 
 
 class Tokens(Dataset):

@@ -62,7 +62,7 @@ def programs(only: list[str] | None) -> list[dict]:
 
 
 def _nanprobe() -> list[str]:
-    return [sys.executable, "-m", "nanprobe.cli"] if not _which("nanprobe") else [_which("nanprobe")]
+    return [sys.executable, "-m", "nanprobe.surface.cli"] if not _which("nanprobe") else [_which("nanprobe")]
 
 
 def _which(name: str) -> str | None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_one_story, example
-from nanprobe.diagnose import diagnose_target
-from nanprobe.entry import load_target
+from nanprobe.pipeline.diagnose import diagnose_target
+from nanprobe.reach.entry import load_target
 
 STATE = {"adamw": "exp_avg_sq", "adam": "exp_avg_sq", "adagrad": "sum", "rmsprop": "square_avg",
          "nadam": "exp_avg_sq", "adamax": "exp_inf", "adadelta": "square_avg"}

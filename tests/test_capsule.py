@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from conftest import asset, example
 from nanprobe import diagnose
 from nanprobe.capsule import list_capsules
-from nanprobe.cli import app
-from nanprobe.entry import load_target
-from nanprobe.guard import Guard
+from nanprobe.surface.cli import app
+from nanprobe.reach.entry import load_target
+from nanprobe.live.guard import Guard
 
 ENTRY = asset("guard_nan.py") + ":target"
 BAD = 4
@@ -168,7 +168,7 @@ def test_dataclass_batch_found_in_the_entrypoint_module(tmp_path):
 
 
 def test_rng_states_round_trip_as_lists():
-    from nanprobe.state import capture_rng, set_rng
+    from nanprobe.reach.state import capture_rng, set_rng
     state = capture_rng("cpu")
     safe = C.rng_to_safe(state)
     assert isinstance(safe["python"][1], list) and isinstance(safe["numpy"][1], list)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import asset
-from nanprobe.cli import app
+from nanprobe.surface.cli import app
 
 runner = CliRunner()
 
@@ -87,7 +87,7 @@ def test_healthy_run_exits_0_and_json_to_stdout():
 def test_internal_error_exits_3(monkeypatch):
     import importlib
 
-    diagnose_mod = importlib.import_module("nanprobe.diagnose")  # the module, not the exported function
+    diagnose_mod = importlib.import_module("nanprobe.pipeline.diagnose")  # the module, not the exported function
 
     def boom(*a, **k):
         raise ZeroDivisionError("synthetic")

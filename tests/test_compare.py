@@ -13,15 +13,15 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import assert_same_state, asset, example, plain_first_bad, state_of
-from nanprobe.cli import app
+from nanprobe.surface.cli import app
 from nanprobe.compare import CHOICES, compare_precisions, parse_precisions, plot_comparison
-from nanprobe.config import load_config
-from nanprobe.entry import load_target
-from nanprobe.errors import UsageError
-from nanprobe.precision import Precision
-from nanprobe.replay import reach
-from nanprobe.report import Phase
-from nanprobe.rerun import run_step
+from nanprobe.base.config import load_config
+from nanprobe.reach.entry import load_target
+from nanprobe.base.errors import UsageError
+from nanprobe.base.precision import Precision
+from nanprobe.reach.replay import reach
+from nanprobe.base.report import Phase
+from nanprobe.locate.rerun import run_step
 
 T = asset("compare_targets.py")
 runner = CliRunner()

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from nanprobe.config import Config, default_config_path, load_config
-from nanprobe.errors import ConfigError
+from nanprobe.base.config import Config, default_config_path, load_config
+from nanprobe.base.errors import ConfigError
 
 
 def test_defaults_match_the_yaml():

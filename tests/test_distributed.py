@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     sys.path.insert(0, str(ASSETS))
     import guard_nan  # noqa: PLC0415 - the test asset, imported in the child
 
-    from nanprobe.guard import Guard
+    from nanprobe.live.guard import Guard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -71,7 +71,7 @@ def _own_weights_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     sys.path.insert(0, str(ASSETS))
     import guard_nan  # noqa: PLC0415 - the test asset, imported in the child
 
-    from nanprobe.guard import Guard
+    from nanprobe.live.guard import Guard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -192,7 +192,7 @@ def test_fsdp2_guard_and_watch_keep_healthy_weights_and_name_the_rank_that_broke
     (wcap,) = (tmp_path / "watch_bad").glob(f"step{BAD_FSDP:07d}-*.capsule")
     # it replays on one process, resharded into the unsharded model: same step, cause and phase, and the
     # rank whose batch broke it
-    from nanprobe.diagnose import diagnose
+    from nanprobe.pipeline.diagnose import diagnose
 
     for path in (cap, wcap):
         report = diagnose(f"{FSDP2.parent / 'fsdp2_entry.py'}:target", capsule=str(path))

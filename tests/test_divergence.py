@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import example
-from nanprobe.config import GuardConfig, ReplayConfig, load_config
-from nanprobe.divergence import Judge, band
-from nanprobe.entry import load_target
-from nanprobe.guard import Guard
-from nanprobe.report import Status, StepRecord
-from nanprobe.smoke import _smoke_replay_config
+from nanprobe.base.config import GuardConfig, ReplayConfig, load_config
+from nanprobe.judge.divergence import Judge, band
+from nanprobe.reach.entry import load_target
+from nanprobe.live.guard import Guard
+from nanprobe.base.report import Status, StepRecord
+from nanprobe.pipeline.smoke import _smoke_replay_config
 
 
 def _heavy(n: int, seed: int = 0) -> list[float]:
@@ -186,7 +186,7 @@ GUARDED = [("control_heavy_tailed_loss.py", 60), ("control_gradscaler_warmup.py"
 
 @pytest.mark.parametrize("name, steps", GUARDED, ids=[g[0] for g in GUARDED])
 def test_guard_in_the_users_loop_agrees_with_smoke(name, steps, tmp_path):
-    from nanprobe.smoke import smoke
+    from nanprobe.pipeline.smoke import smoke
     event = _guarded_first_event(name, steps)
     result = smoke(example(name) + ":target", steps=steps, capsule_dir=tmp_path)
     if result.healthy:

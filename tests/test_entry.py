@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import ASSETS, asset
-from nanprobe.entry import load_target, split_entry
-from nanprobe.errors import EntryError, TargetError, UserCodeError
-from nanprobe.precision import Precision
-from nanprobe.target import Target, validate
+from nanprobe.reach.entry import load_target, split_entry
+from nanprobe.base.errors import EntryError, TargetError, UserCodeError
+from nanprobe.base.precision import Precision
+from nanprobe.reach.target import Target, validate
 
 
 def test_file_entry_returns_validated_target():

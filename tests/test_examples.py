@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from conftest import assert_one_story, example, plain_first_bad
 from nanprobe import diagnose
-from nanprobe.cli import app
-from nanprobe.config import load_config
-from nanprobe.report import Status
+from nanprobe.surface.cli import app
+from nanprobe.base.config import load_config
+from nanprobe.base.report import Status
 
 PLAIN = "plain loop"   # the first bad step is the plain loop's, run in the test (it depends on the CPU's kernels)
 # file, first bad step, top cause, phase, module  (None: healthy, exit 0, no finding)
@@ -118,9 +118,9 @@ def test_deferred_checks_give_the_same_diagnosis(name, step, cause, phase, modul
 
 
 def test_deferred_checks_read_back_once_per_phase_not_per_op():
-    from nanprobe.entry import load_target
-    from nanprobe.replay import reach
-    from nanprobe.rerun import run_step
+    from nanprobe.reach.entry import load_target
+    from nanprobe.reach.replay import reach
+    from nanprobe.locate.rerun import run_step
 
     loaded = load_target(example("healthy_transformer.py") + ":target")
     t = loaded.target

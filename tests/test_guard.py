@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from conftest import asset
 from nanprobe.capsule import list_capsules, read
-from nanprobe.entry import load_target
-from nanprobe.errors import ConfigError, UsageError
-from nanprobe.guard import Guard, GuardTripped
+from nanprobe.reach.entry import load_target
+from nanprobe.base.errors import ConfigError, UsageError
+from nanprobe.live.guard import Guard, GuardTripped
 
 ENTRY = asset("guard_nan.py")
 ASSETS_WATCH = Path(__file__).resolve().parent / "assets" / "watch"
@@ -463,7 +463,7 @@ def test_weights_are_read_every_k_updates_and_a_late_read_names_the_range(tmp_pa
     """SGD (an update nanprobe can bound) with guard.check_updates_every=k: the spare weight's group gets
     lr=1e38 at step 5 (weight decay 10 sends it to -inf; the loss stays finite). Read after every update it
     is named at step 5; read every 4th update (steps 0, 4, 8), at step 8 with the range 5-8."""
-    from nanprobe.config import Config, GuardConfig
+    from nanprobe.base.config import Config, GuardConfig
 
     torch.manual_seed(0)
     model = _Spare()
@@ -494,7 +494,7 @@ def test_an_update_a_forward_then_uses_is_named_at_its_step_between_reads(tmp_pa
     """Weights read every 10 updates (after steps 0, 10, ...), an LR of 1e38 with weight decay 100 at
     step 6 only: step 7's loss is non-finite, that bad step reads the weights, and the update of step 6
     is named (not step 7's data), with the range of updates not read since step 0's."""
-    from nanprobe.config import Config, GuardConfig
+    from nanprobe.base.config import Config, GuardConfig
 
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
@@ -518,7 +518,7 @@ def test_an_update_a_forward_then_uses_is_named_at_its_step_between_reads(tmp_pa
 def test_finite_weights_whose_squares_overflow_are_finite(tmp_path, dtype):
     """An embedding with a finite "never used" sentinel row at the dtype's edge (1e38; fp16: 6e4): its sum of
     squares overflows, the weights do not. Read after every update, they never stop the run."""
-    from nanprobe.config import Config, GuardConfig
+    from nanprobe.base.config import Config, GuardConfig
 
     torch.manual_seed(0)
     edge = 1e38 if dtype != torch.float16 else 6e4

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from conftest import asset, example
 from nanprobe import diagnose
-from nanprobe.config import load_config
-from nanprobe.entry import load_target
-from nanprobe.horizon import broke_away, verify_over_horizon
-from nanprobe.remedy import Remedy, _qk_norm, _z_loss
-from nanprobe.replay import reach
-from nanprobe.report import Fix, Mechanism
-from nanprobe.target import Target
+from nanprobe.base.config import load_config
+from nanprobe.reach.entry import load_target
+from nanprobe.remedy.horizon import broke_away, verify_over_horizon
+from nanprobe.remedy.change import Remedy, _qk_norm, _z_loss
+from nanprobe.reach.replay import reach
+from nanprobe.base.report import Fix, Mechanism
+from nanprobe.reach.target import Target
 
 CFG = load_config(None)
 
@@ -173,7 +173,7 @@ def test_slow_divergence_over_the_horizon_is_the_step_where_the_loss_left_its_be
 
 
 def test_each_mechanism_ranks_its_own_fix_first_and_precision_changes_after_the_catalog_of_its_cause():
-    from nanprobe.fixes import MECHANISMS
+    from nanprobe.remedy.fixes import MECHANISMS
     first = {m: MECHANISMS[m][0].build.__name__ for m in Mechanism}
     assert first == {Mechanism.ATTENTION_LOGIT_GROWTH: "_qk_layernorm", Mechanism.OUTPUT_LOGIT_DIVERGENCE: "_z_loss",
                      Mechanism.ADAM_SECOND_MOMENT: "_adam_beta2", Mechanism.LR_SCHEDULE: "_lower_peak_lr",
@@ -195,7 +195,7 @@ def test_a_horizon_that_starts_after_the_break_away_holds_only_if_the_loss_comes
     """A lookback shorter than the divergence: the run left its best level (about 2) before the horizon
     began. A fix that stops the rise but leaves the loss up there did not hold; one that brings it back
     under the cut did; a run still at its best level when the horizon began has no such bar."""
-    from nanprobe.horizon import came_back, left_before
+    from nanprobe.remedy.horizon import came_back, left_before
 
     noise = [0.02 * ((-1) ** k) for k in range(60)]
     broke = [(k, 2.0 + noise[k] + (0.03 * (k - 30) if k > 30 else 0.0)) for k in range(60)]   # 2.0 -> 2.9

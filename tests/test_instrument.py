@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanprobe.config import load_config
-from nanprobe.precision import Precision
-from nanprobe.replay import reach
-from nanprobe.report import Phase
-from nanprobe.rerun import resolve_backward_source, run_step
-from nanprobe.target import Target
+from nanprobe.base.config import load_config
+from nanprobe.base.precision import Precision
+from nanprobe.reach.replay import reach
+from nanprobe.base.report import Phase
+from nanprobe.locate.rerun import resolve_backward_source, run_step
+from nanprobe.reach.target import Target
 
 
 def trace_of(model, loss_fn, batch, *, optimizer=None, precision=Precision.FP32):
@@ -218,7 +218,7 @@ def test_fp16_matmul_emulation_matches_cpu_fp16_and_keeps_the_users_op_name():
     """compare-precisions' fp16 what-ifs on CPU: fp16 inputs times float32 arithmetic, rounded to fp16.
     The values match CPU's own fp16 kernels (which also accumulate in float32) up to summation order,
     and an overflow is still born at the user's op (the emulation sits below the tracker)."""
-    from nanprobe.precision import emulate_fp16_matmuls
+    from nanprobe.base.precision import emulate_fp16_matmuls
 
     torch.manual_seed(0)
     a, b = torch.randn(4, 32, 64).half(), torch.randn(4, 64, 48).half()

@@ -173,7 +173,7 @@ def test_lightning_nan_in_the_second_epoch_is_skipped_diagnosed_and_reported(tmp
     # that command replays it to the same diagnosis: an ENTRY whose loss_fn calls training_step, no Trainer
     # (the module reads current_epoch 1, as in the run: the relative-error term is on)
     from conftest import asset
-    from nanprobe.diagnose import diagnose
+    from nanprobe.pipeline.diagnose import diagnose
     replayed = diagnose(asset("lightning_regressor.py") + ":target", capsule=bad.capsule).to_json()
     assert (replayed["step"], replayed["origin"]["phase"], replayed["origin"]["op"], replayed["origin"]["source"]) == \
         (expected, "forward", "aten.div.Tensor", origin["source"])
@@ -185,7 +185,7 @@ def test_lightning_nan_in_the_second_epoch_is_skipped_diagnosed_and_reported(tmp
 
 @pytest.mark.parametrize("policy", ["stop", "raise"])
 def test_lightning_policies_stop_or_raise_after_the_report(tmp_path, policy):
-    from nanprobe.hooked import Stopped
+    from nanprobe.live import Stopped
     from nanprobe.integrations.lightning import NanprobeCallback
 
     torch.manual_seed(0)
@@ -221,7 +221,7 @@ class EpsZeroRegressor(Regressor):
 
 
 def test_lightning_names_the_update_that_made_the_weights_non_finite_at_its_own_step(tmp_path):
-    from nanprobe.hooked import Stopped
+    from nanprobe.live import Stopped
     from nanprobe.integrations.lightning import NanprobeCallback
 
     class FirstBroken(L.Callback):   # the oracle, in a run without nanprobe
@@ -373,7 +373,7 @@ def test_transformers_sft_batch_with_every_label_ignored(tmp_path, caplog):
     assert lines[0].endswith(f"Replay: nanprobe run ENTRY --capsule {bad.capsule}")
     # that command replays it to the same diagnosis, with an ENTRY returning replay_target(the script's Trainer)
     from conftest import asset
-    from nanprobe.diagnose import diagnose
+    from nanprobe.pipeline.diagnose import diagnose
     replayed = diagnose(asset("hf_sft.py") + ":target", capsule=bad.capsule).to_json()
     assert (replayed["step"], replayed["origin"]["op"], replayed["origin"]["source"]) == \
         (expected, "aten.div.Tensor", origin["source"])
@@ -433,9 +433,9 @@ def test_the_hooked_guards_cutoffs_never_hide_a_spike_the_replays_judge_sees():
     device are a necessary condition: every spike the model reports lies above them."""
     import random
 
-    from nanprobe.config import load_config
-    from nanprobe.divergence import Judge
-    from nanprobe.report import StepRecord
+    from nanprobe.base.config import load_config
+    from nanprobe.judge.divergence import Judge
+    from nanprobe.base.report import StepRecord
 
     judge = Judge(load_config().guard)
     rng = random.Random(0)
@@ -482,9 +482,9 @@ def test_the_readmes_integration_examples_print_what_it_shows(tmp_path, monkeypa
 @pytest.mark.parametrize("guard, message", [({"rng_states": "bogus"}, "guard.rng_states is 'bogus'"),
                                             ({"check_every": 0}, "guard.check_every is 0")])
 def test_the_hooked_guard_refuses_guard_settings_the_library_guard_refuses(guard, message):
-    from nanprobe.config import _build
-    from nanprobe.errors import UsageError
-    from nanprobe.hooked import HookedGuard
+    from nanprobe.base.config import _build
+    from nanprobe.base.errors import UsageError
+    from nanprobe.live import HookedGuard
 
     cfg = _build({"guard": guard}, "test")
     with pytest.raises(UsageError, match=message):

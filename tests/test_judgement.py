@@ -12,12 +12,12 @@ import random
 
 import torch
 
-from nanprobe.config import MonitorConfig, load_config
-from nanprobe.divergence import Breakaway, Judge
-from nanprobe.horizon import best_level, broke_away, kept_learning
-from nanprobe.monitor import Monitor, Sample, Trend
-from nanprobe.report import Mechanism, Status, StepRecord
-from nanprobe.shift import batch_shift
+from nanprobe.base.config import MonitorConfig, load_config
+from nanprobe.judge.divergence import Breakaway, Judge
+from nanprobe.remedy.horizon import best_level, broke_away, kept_learning
+from nanprobe.judge.monitor import Monitor, Sample, Trend
+from nanprobe.base.report import Mechanism, Status, StepRecord
+from nanprobe.judge.shift import batch_shift
 
 
 def _trend(series: dict[str, list[tuple[int, float]]], classes: int | None = None, **cfg) -> Trend:
@@ -261,11 +261,11 @@ class _MaskedAttention(torch.nn.Module):
 
 
 def test_an_intended_minus_inf_mask_is_not_where_a_value_entered():
-    from nanprobe.instrument import OriginTracker
+    from nanprobe.locate.instrument import OriginTracker
     model = _MaskedAttention()
     with OriginTracker(model, None, low_dtype=None, batch_size=2) as t:
         loss = model(torch.randn(2, 5, 8))
-        t.set_phase(__import__("nanprobe.report", fromlist=["Phase"]).Phase.BACKWARD)
+        t.set_phase(__import__("nanprobe.base.report", fromlist=["Phase"]).Phase.BACKWARD)
         loss.backward()
     mask_ops = {"aten.add.Tensor", "aten.scalar_tensor.default", "aten.maximum.default", "aten.triu.default",
                 "aten.full.default", "aten._softmax.default"}
@@ -278,6 +278,6 @@ def test_an_intended_minus_inf_mask_is_not_where_a_value_entered():
 def test_a_warm_up_fix_spans_the_run_it_is_for():
     from types import SimpleNamespace
 
-    from nanprobe.fixes import warmup_steps
+    from nanprobe.remedy.fixes import warmup_steps
     assert [warmup_steps(SimpleNamespace(reached=SimpleNamespace(step=n))) for n in (3, 200, 400, 10_000)] \
         == [10, 100, 200, 1000]

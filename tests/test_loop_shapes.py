@@ -18,15 +18,15 @@ from typer.testing import CliRunner
 from conftest import asset
 from nanprobe import diagnose
 from nanprobe.capsule import list_capsules
-from nanprobe.cli import app
-from nanprobe.config import load_config
-from nanprobe.diagnose import diagnose_target
-from nanprobe.entry import load_target
-from nanprobe.guard import Guard
-from nanprobe.precision import Precision
-from nanprobe.replay import reach
-from nanprobe.smoke import smoke
-from nanprobe.target import named
+from nanprobe.surface.cli import app
+from nanprobe.base.config import load_config
+from nanprobe.pipeline.diagnose import diagnose_target
+from nanprobe.reach.entry import load_target
+from nanprobe.live.guard import Guard
+from nanprobe.base.precision import Precision
+from nanprobe.reach.replay import reach
+from nanprobe.pipeline.smoke import smoke
+from nanprobe.reach.target import named
 
 LOOPS = asset("loops.py")
 CFG = load_config()
@@ -314,8 +314,8 @@ def test_validation_draws_nothing_from_the_rng_or_the_loader():
 
 
 def test_one_shot_iterator_is_refused_without_being_consumed():
-    from nanprobe.errors import TargetError
-    from nanprobe.target import validate
+    from nanprobe.base.errors import TargetError
+    from nanprobe.reach.target import validate
 
     items = iter([torch.ones(2)] * 3)
     with pytest.raises(TargetError, match="one-shot iterator"):
@@ -328,7 +328,7 @@ def test_precision_rerun_of_a_step_fn_rewrites_its_autocast():
     restores the user's autocast object afterwards."""
     loaded = load_target(f"{LOOPS}:autocast_step", config={"nan_at": None})
     reached = reach(loaded.target, at=2, precision=Precision.BF16, cfg=CFG.replay, where="t")
-    from nanprobe.rerun import run_step
+    from nanprobe.locate.rerun import run_step
     bf16 = run_step(loaded.target, reached, Precision.BF16, where="t", instrument=False)
     fp32 = run_step(loaded.target, reached, Precision.FP32, where="t", instrument=False)
     again = run_step(loaded.target, reached, Precision.BF16, where="t", instrument=False)

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from conftest import assert_one_story, example
 from nanprobe import diagnose
-from nanprobe.cli import app
-from nanprobe.instrument import LOSS_FN
-from nanprobe.report import Report, Status
-from nanprobe.smoke import smoke
+from nanprobe.surface.cli import app
+from nanprobe.locate.instrument import LOSS_FN
+from nanprobe.base.report import Report, Status
+from nanprobe.pipeline.smoke import smoke
 
 
 def _text(report: Report) -> str:
@@ -158,7 +158,7 @@ SEMANTICS = [
 @pytest.mark.parametrize("entry, cause, phase, says", SEMANTICS, ids=[s[0] for s in SEMANTICS])
 def test_op_and_error_semantics(entry, cause, phase, says):
     from conftest import asset
-    from nanprobe.errors import UserCodeError
+    from nanprobe.base.errors import UserCodeError
     if cause is None:
         with pytest.raises(UserCodeError):
             diagnose(asset("semantics.py") + ":" + entry)
@@ -171,7 +171,7 @@ def test_op_and_error_semantics(entry, cause, phase, says):
 
 def test_device_side_assert_reads_as_data():
     from nanprobe.classify import explained_by
-    from nanprobe.errors import UserCodeError
+    from nanprobe.base.errors import UserCodeError
     error = UserCodeError("loss.backward()", RuntimeError("CUDA error: device-side assert triggered"))
     assert explained_by(error) == "device_assert"
     assert explained_by(UserCodeError("x", RuntimeError("mat1 and mat2 shapes cannot be multiplied"))) is None

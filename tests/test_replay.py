@@ -11,13 +11,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanprobe.config import load_config
-from nanprobe.errors import TargetError
-from nanprobe.precision import Precision
-from nanprobe.replay import NoBadStep, reach
-from nanprobe.report import Status
-from nanprobe.rerun import run_step
-from nanprobe.target import Target
+from nanprobe.base.config import load_config
+from nanprobe.base.errors import TargetError
+from nanprobe.base.precision import Precision
+from nanprobe.reach.replay import NoBadStep, reach
+from nanprobe.base.report import Status
+from nanprobe.locate.rerun import run_step
+from nanprobe.reach.target import Target
 
 CFG = load_config().replay
 
@@ -192,8 +192,8 @@ def test_python_random_is_restored():
 
 
 def test_state_already_nonfinite_is_explained_not_left_blank():
-    from nanprobe.diagnose import diagnose_target
-    from nanprobe.entry import Loaded
+    from nanprobe.pipeline.diagnose import diagnose_target
+    from nanprobe.reach.entry import Loaded
 
     t = make()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from nanprobe.report import (Cause, Finding, Fix, Mechanism, Origin, Phase, PrecisionResult, Report, Status,
+from nanprobe.base.report import (Cause, Finding, Fix, Mechanism, Origin, Phase, PrecisionResult, Report, Status,
                              StepRecord)
 
 

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from conftest import asset, example
 from nanprobe import diagnose, scan_data, smoke
 from nanprobe.capsule import list_capsules
-from nanprobe.cli import app
+from nanprobe.surface.cli import app
 from nanprobe.compare import compare_precisions
-from nanprobe.entry import load_target
-from nanprobe.guard import Guard
+from nanprobe.reach.entry import load_target
+from nanprobe.live.guard import Guard
 from nanprobe.testing import assert_trains_finite
 
 H = asset("hostile.py")
@@ -140,7 +140,7 @@ def test_json_to_stdout_is_pure_json_when_the_users_code_prints():
 # -- endless data --------------------------------------------------------------------------------------------
 
 def test_scan_data_bounds_an_iterable_without_length_and_says_so():
-    from nanprobe.config import load_config
+    from nanprobe.base.config import load_config
     import dataclasses
 
     cfg = load_config()
@@ -239,7 +239,7 @@ def test_the_users_anomaly_mode_and_no_grad_do_not_change_the_diagnosis():
 # -- the Guard never deletes what it did not write -------------------------------------------------------------
 
 def _nan_run(guard, t, steps=14):
-    from nanprobe.batch import map_tensors
+    from nanprobe.base.batch import map_tensors
 
     for i, batch in enumerate(t.batches[:steps]):
         if i % 2 == 1:   # every other batch poisoned: the guard skips and capsules each of them
@@ -371,7 +371,7 @@ def test_a_capsule_from_a_newer_nanprobe_and_torch_warns(good_capsule, tmp_path)
 
 
 def test_library_sys_exit_is_an_error_not_an_exit():
-    from nanprobe.errors import UserExit
+    from nanprobe.base.errors import UserExit
 
     with pytest.raises(UserExit) as info:
         diagnose(f"{H}:exits_0")

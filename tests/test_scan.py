@@ -10,13 +10,13 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import asset, example
-from nanprobe.checks import DataProblem, check_batch, leaves
-from nanprobe.cli import app
-from nanprobe.config import load_config
-from nanprobe.entry import load_target
-from nanprobe.errors import EntryError, UsageError
-from nanprobe.scan import ScanResult, first_sample, infer_num_classes, scan_data
-from nanprobe.target import Target
+from nanprobe.judge.checks import DataProblem, check_batch, leaves
+from nanprobe.surface.cli import app
+from nanprobe.base.config import load_config
+from nanprobe.reach.entry import load_target
+from nanprobe.base.errors import EntryError, UsageError
+from nanprobe.pipeline.scan import ScanResult, first_sample, infer_num_classes, scan_data
+from nanprobe.reach.target import Target
 
 runner = CliRunner()
 
@@ -347,7 +347,7 @@ def test_examples_point_at_the_step_and_sample_run_blames(name, expected):
 
 # -- the label fast paths and running statistics, on a Scanner directly -----------------------------
 def _scanner(**changes):
-    from nanprobe.scan import Scanner
+    from nanprobe.pipeline.scan import Scanner
     return Scanner(_with_scan(**changes).scan, num_classes=10)
 
 
@@ -396,7 +396,7 @@ def test_scan_of_unsized_reiterable_batches_over_epochs(limit):
     import torch
 
     from nanprobe import Target
-    from nanprobe.scan import scan_data
+    from nanprobe.pipeline.scan import scan_data
 
     batches = [torch.ones(2, 3) for _ in range(4)]
     batches[2][1, 0] = float("nan")
@@ -409,7 +409,7 @@ def test_scan_of_unsized_reiterable_batches_over_epochs(limit):
 
 def test_masked_row_checks_agree_with_what_sdpa_computes_here():
     """scan-data's verdict on a fully masked row is what F.scaled_dot_product_attention returns on this torch."""
-    from nanprobe.checks import sdpa_masked_row
+    from nanprobe.judge.checks import sdpa_masked_row
     measured = sdpa_masked_row()
     assert "math" in measured["bool"] and measured["bool"]["math"] != "unavailable"
     for kind, mask in (("bool", BOOL_ROW), ("float", FLOAT_ROW)):

@@ -68,7 +68,7 @@ def _run(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[dict, dict]:
 def _replays_to_rank1(tmp_path: Path, entry: str, runs: tuple[str, ...] = ("guard_bad", "watch_bad")) -> None:
     """The Guard's capsule of the bad step is one directory (DCP files, a file per rank); replayed on one
     process it names the step, the data and rank 1, whose batch alone is non-finite."""
-    from nanprobe.diagnose import diagnose
+    from nanprobe.pipeline.diagnose import diagnose
 
     for run in runs:   # one directory each, no capsule files
         (cap,) = (tmp_path / run).glob(f"step{BAD:07d}-*.capsule")
@@ -122,7 +122,7 @@ def _capsule_dir(tmp_path: Path, bad_rank: int = 1, status: str = "nonfinite") -
     import torch.nn as nn
 
     from nanprobe.capsule import build, sharded
-    from nanprobe.state import capture_rng
+    from nanprobe.reach.state import capture_rng
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -155,8 +155,8 @@ def _capsule_dir(tmp_path: Path, bad_rank: int = 1, status: str = "nonfinite") -
 def test_a_capsule_directory_replays_on_one_process_and_the_cli_names_the_rank(tmp_path):
     from typer.testing import CliRunner
 
-    from nanprobe.capsule import sharded
-    from nanprobe.cli import app
+    from nanprobe.capsule import read, sharded
+    from nanprobe.surface.cli import app
 
     cap = _capsule_dir(tmp_path)
     state = sharded.load_state(cap)
@@ -174,8 +174,8 @@ def test_a_capsule_directory_replays_on_one_process_and_the_cli_names_the_rank(t
     # `run --at 2` finds the directory in guard.capsule_dir
     import dataclasses
 
-    from nanprobe.config import load_config
-    from nanprobe.diagnose import diagnose
+    from nanprobe.base.config import load_config
+    from nanprobe.pipeline.diagnose import diagnose
 
     cfg = load_config()
     cfg = dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, capsule_dir=str(tmp_path)))
@@ -184,8 +184,8 @@ def test_a_capsule_directory_replays_on_one_process_and_the_cli_names_the_rank(t
 
 
 def test_a_capsule_directory_never_runs_code_and_says_what_is_missing(tmp_path):
-    from nanprobe.capsule import sharded
-    from nanprobe.errors import CapsuleError
+    from nanprobe.capsule import read, sharded
+    from nanprobe.base.errors import CapsuleError
 
     cap = _capsule_dir(tmp_path)
     marker = tmp_path / "ran"
@@ -202,24 +202,24 @@ def test_a_capsule_directory_never_runs_code_and_says_what_is_missing(tmp_path):
     cap = _capsule_dir(tmp_path / "b")
     (cap / "rank1.pt").unlink()
     with pytest.raises(CapsuleError, match=r"lacks the file of rank\(s\) 1 of 2"):
-        sharded.read_dir(cap)
+        sharded.read_dir(cap, read)
 
 
 def test_a_capsule_directory_too_big_for_this_machine_says_so(tmp_path, monkeypatch):
-    from nanprobe.capsule import sharded
-    from nanprobe.errors import CapsuleError
+    from nanprobe.capsule import read, sharded
+    from nanprobe.base.errors import CapsuleError
 
     cap = _capsule_dir(tmp_path)
     full = sharded.state_bytes(cap)
     assert full == sum(4 * n for n in (32, 8, 8, 1)) * 3 + 4 * 4   # weights, two AdamW moments, 4 step counts
     monkeypatch.setattr(sharded, "available_bytes", lambda: full)   # it needs twice that
     with pytest.raises(CapsuleError, match="need .* GiB of memory on one process"):
-        sharded.read_dir(cap)
+        sharded.read_dir(cap, read)
 
 
 def test_one_rank_file_alone_says_to_pass_the_directory(tmp_path):
-    from nanprobe.diagnose import diagnose
-    from nanprobe.errors import CapsuleError
+    from nanprobe.pipeline.diagnose import diagnose
+    from nanprobe.base.errors import CapsuleError
 
     cap = _capsule_dir(tmp_path)
     with pytest.raises(CapsuleError, match="rank 1's file of a sharded capsule") as err:
@@ -230,7 +230,7 @@ def test_one_rank_file_alone_says_to_pass_the_directory(tmp_path):
 def test_a_resumed_guard_keeps_its_capsule_directories(tmp_path):
     import torch.nn as nn
 
-    from nanprobe.guard import Guard
+    from nanprobe.live.guard import Guard
 
     cap = _capsule_dir(tmp_path)
     model = nn.Linear(2, 1)
@@ -243,8 +243,8 @@ def test_a_resumed_guard_keeps_its_capsule_directories(tmp_path):
 
 def test_a_spike_capsule_directory_is_the_rank_that_saw_it(tmp_path):
     from nanprobe.capsule import capsule_reach
-    from nanprobe.config import load_config
-    from nanprobe.entry import load_target
+    from nanprobe.base.config import load_config
+    from nanprobe.reach.entry import load_target
 
     cap = _capsule_dir(tmp_path, bad_rank=0, status="spike")
     loaded = load_target(f"{WATCH / 'fsdp2_entry.py'}:target")

@@ -1,4 +1,4 @@
-"""Does a batch stand out against the batches before it (``nanprobe.shift``): the positive data evidence a
+"""Does a batch stand out against the batches before it (``nanprobe.judge.shift``): the positive data evidence a
 ``data`` finding needs; and a spike that neither the data nor the step size explains is ``unknown``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from conftest import asset
 from nanprobe import diagnose
-from nanprobe.shift import batch_shift
+from nanprobe.judge.shift import batch_shift
 
 
 def _batches(n: int, seed: int = 0) -> list[list[dict]]:

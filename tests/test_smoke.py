@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from conftest import asset, example
 from nanprobe import diagnose, smoke
-from nanprobe.cli import app
+from nanprobe.surface.cli import app
 from nanprobe.testing import assert_trains_finite
 
 runner = CliRunner()

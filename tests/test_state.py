@@ -12,15 +12,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanprobe.config import load_config
-from nanprobe.diagnose import diagnose_target
-from nanprobe.entry import Loaded
-from nanprobe.precision import Precision
-from nanprobe.replay import reach
-from nanprobe.rerun import run_step
-from nanprobe.state import StoragePolicy, objects_of
-from nanprobe.store import TensorStore
-from nanprobe.target import validate
+from nanprobe.base.config import load_config
+from nanprobe.pipeline.diagnose import diagnose_target
+from nanprobe.reach.entry import Loaded
+from nanprobe.base.precision import Precision
+from nanprobe.reach.replay import reach
+from nanprobe.locate.rerun import run_step
+from nanprobe.reach.state import StoragePolicy, objects_of
+from nanprobe.reach.store import TensorStore
+from nanprobe.reach.target import validate
 
 
 def _target(seed: int = 0, bf16_params: bool = False):

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import nanprobe
-from nanprobe.config import load_config
-from nanprobe.diagnose import diagnose
-from nanprobe.divergence import breakaway
-from nanprobe.report import Mechanism, Status
-from nanprobe.smoke import smoke
+from nanprobe.base.config import load_config
+from nanprobe.pipeline.diagnose import diagnose
+from nanprobe.judge.divergence import breakaway
+from nanprobe.base.report import Mechanism, Status
+from nanprobe.pipeline.smoke import smoke
 
 from conftest import EXAMPLES, example
 

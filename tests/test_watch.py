@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from conftest import first_nonfinite_update, free_port, leave_worker
 from nanprobe.capsule import read
-from nanprobe.cli import app
-from nanprobe.diagnose import diagnose
+from nanprobe.surface.cli import app
+from nanprobe.pipeline.diagnose import diagnose
 from nanprobe.watch import find_loss, parse_command, watch
 
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"

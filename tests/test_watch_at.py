@@ -20,7 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import first_nonfinite_update
-from nanprobe.cli import app
+from nanprobe.surface.cli import app
 from nanprobe.watch import watch
 from nanprobe.watch.at import watch_at
 from nanprobe.watch.record import RUN_SUFFIX, read_run_record

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from conftest import free_port
-from nanprobe.cli import app
-from nanprobe.hooked import HookEvent
+from nanprobe.surface.cli import app
+from nanprobe.live import HookEvent
 from nanprobe.watch import WatchResult, watch
 from nanprobe.watch.launch import ProcessRow, follows
 

@@ -13,12 +13,12 @@ import torch
 from conftest import assert_one_story, assert_same_state, asset, example, state_of
 from nanprobe import diagnose
 from nanprobe.compare import compare_precisions
-from nanprobe.config import load_config
-from nanprobe.entry import load_target
-from nanprobe.precision import Precision, weights_precision
-from nanprobe.replay import reach
-from nanprobe.report import Phase
-from nanprobe.rerun import run_step
+from nanprobe.base.config import load_config
+from nanprobe.reach.entry import load_target
+from nanprobe.base.precision import Precision, weights_precision
+from nanprobe.reach.replay import reach
+from nanprobe.base.report import Phase
+from nanprobe.locate.rerun import run_step
 
 W = asset("weights_targets.py")
 PURE = "bf16_pure_variance_shortcut.py"
@@ -121,7 +121,7 @@ def test_fp16_weights_with_fp32_master_copies_replay_bitwise():
 
 
 def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path):
-    from nanprobe.guard import Guard
+    from nanprobe.live.guard import Guard
     mod = _example_module(MASTER)
     expected = mod.first_bad_step()
     report = diagnose(example(MASTER) + ":target")
@@ -156,8 +156,8 @@ def test_fp16_master_copies_diagnosed_and_their_capsule_replays_bitwise(tmp_path
 def test_another_precision_for_a_pure_run_is_a_usage_error_and_the_guard_reads_the_weights():
     from typer.testing import CliRunner
 
-    from nanprobe.cli import app
-    from nanprobe.guard import Guard
+    from nanprobe.surface.cli import app
+    from nanprobe.live.guard import Guard
     result = CliRunner().invoke(app, ["run", example(PURE) + ":target", "--precision", "fp32"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "the weights themselves are bf16" in result.output

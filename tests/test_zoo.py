@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from nanprobe.diagnose import diagnose
-from nanprobe.report import Status
-from nanprobe.smoke import smoke
+from nanprobe.pipeline.diagnose import diagnose
+from nanprobe.base.report import Status
+from nanprobe.pipeline.smoke import smoke
 
 pytest.importorskip("sklearn", reason="the zoo needs the 'zoo' extra (scikit-learn's bundled digits)")
 

@@ -10,7 +10,9 @@ already imported, never imported); RNG states become tensors and lists.
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import enum
+import os
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -18,8 +20,17 @@ from typing import Any
 
 import torch
 
-from ..errors import CapsuleError
-from ..sharding import full_value
+from ..base.errors import CapsuleError
+from ..base.sharding import full_value
+
+SUFFIX = ".capsule.pt"
+
+
+def capsule_name(step: int, rank: int, attempt: int = 0) -> str:
+    """A capsule file's name: its step, rank, time and process, unique within a folder."""
+    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    extra = f"-{attempt}" if attempt else ""
+    return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{extra}{SUFFIX}"
 
 _TAG = "__nanprobe__"
 
@@ -226,7 +237,7 @@ def _to_device(t: torch.Tensor, saved: str, fallback: torch.device | None, notes
 # -- RNG states ------------------------------------------------------------------------------------
 
 def rng_to_safe(state: dict[str, Any]) -> dict[str, Any]:
-    """:func:`nanprobe.state.capture_rng` -> lists and tensors (streams not captured stay absent)."""
+    """:func:`nanprobe.reach.state.capture_rng` -> lists and tensors (streams not captured stay absent)."""
     out: dict[str, Any] = {"torch": state["torch"].clone()}
     if "python" in state:
         version, internal, gauss = state["python"]
@@ -282,7 +293,7 @@ def _rng_damage(safe: Any) -> str | None:
 
 
 def rng_from_safe(safe: Any, device_type: str, field: str = "rng") -> dict[str, Any]:
-    """Capsule RNG -> the format of :func:`nanprobe.state.capture_rng`; CapsuleError naming ``field`` when
+    """Capsule RNG -> the format of :func:`nanprobe.reach.state.capture_rng`; CapsuleError naming ``field`` when
     damaged."""
     damage = _rng_damage(safe)
     if damage:

@@ -23,16 +23,15 @@ from typing import Any
 
 import torch
 
-from .. import __version__
-from ..errors import CapsuleError, short_path
-from ..precision import Precision, device_of, parse_precision
-from ..report import Status, StepRecord
-from ..sharding import full_value
-from .codec import compiled_graphs, encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
+from ..base.version import __version__
+from ..base.errors import CapsuleError, short_path
+from ..base.precision import Precision, device_of, parse_precision
+from ..base.report import Status, StepRecord
+from ..base.sharding import full_value
+from .codec import SUFFIX, capsule_name, compiled_graphs, encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
 
 FORMAT = 2
 MAGIC = "nanprobe_capsule"
-SUFFIX = ".capsule.pt"
 NAME = re.compile(r"^step(\d+)-rank(\d+)-.*" + re.escape(SUFFIX) + r"$")
 _REQUIRED = ("step", "precision", "model", "fingerprint", "rng", "history")
 
@@ -123,12 +122,6 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         data["sharded"] = {"kind": sharded.KIND}
     data["dropped"] = dropped
     return data
-
-
-def capsule_name(step: int, rank: int, attempt: int = 0) -> str:
-    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-    extra = f"-{attempt}" if attempt else ""
-    return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{extra}{SUFFIX}"
 
 
 def write(data: dict[str, Any], folder: str | os.PathLike, *, model: torch.nn.Module | None = None,

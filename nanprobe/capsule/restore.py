@@ -1,6 +1,6 @@
 """A capsule -> the exact state before its step, in the objects a fresh entrypoint built.
 
-The result is a :class:`nanprobe.replay.Reached`, so ``diagnose_target(loaded, reached=...)``
+The result is a :class:`nanprobe.reach.replay.Reached`, so ``diagnose_target(loaded, reached=...)``
 diagnoses exactly the captured step. The loop's settings (precision, GradScaler, clipping) come
 from the capsule: what the guarded run really did; differences become notes.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CapsuleError, UsageError, short_path
-from ..precision import Precision, device_of, parse_precision
-from ..report import Status
+from ..base.errors import CapsuleError, UsageError, short_path
+from ..base.precision import Precision, device_of, parse_precision
+from ..base.report import Status
 from .codec import decode_batch, fingerprint_difference, rng_from_safe, unwrap
 from .io import Capsule, list_capsules, read, to_record
 
@@ -159,7 +159,7 @@ def _version(text: Any) -> tuple[int, ...]:
 
 def version_notes(cap: Capsule) -> list[str]:
     """Warnings for a capsule written by a newer nanprobe or torch than the one replaying it."""
-    from .. import __version__
+    from ..base.version import __version__
 
     notes = []
     for name, running in (("nanprobe", __version__), ("torch", torch.__version__)):
@@ -185,10 +185,10 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
                        precision: str | Precision | None = None, found_for: int | None = None,
                        policy: str | None = None):
     """Restore the capsule into the entrypoint's freshly built objects; the state before its step."""
-    from ..feed import Position, Recorded, Stream
-    from ..replay import Reached, scheduler_info
-    from ..state import apply_carried
-    from ..step import Loop
+    from ..reach.feed import Position, Recorded, Stream
+    from ..reach.replay import Reached, scheduler_info
+    from ..reach.state import apply_carried
+    from ..reach.step import Loop
 
     cap = path if isinstance(path, Capsule) else read(path)
     target = loaded.target
@@ -219,7 +219,7 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     elif data.get("form") == "loss_fn":
         notes.append("the capsule was written by a loop without step_fn; replayed with this entrypoint's step_fn")
     if data.get("form") == "watch_forward":   # the root module's inputs, not the loop's batch
-        from ..watch.forward import ForwardStep
+        from ..reach.forward import ForwardStep
 
         target.step_fn, target.loss_fn = ForwardStep(device.type), None
         target.accumulate = max(len(data.get("micro_batches") or ()), 1)
@@ -318,7 +318,7 @@ def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None 
 def _rank_bad(loaded, reached) -> bool:
     """This rank's batch, rerun once (uninstrumented, up to its update) on the restored state, gives a
     non-finite loss or gradient; the objects end as they were."""
-    from ..rerun import run_step
+    from ..locate.rerun import run_step
 
     trace = run_step(loaded.target, reached, reached.precision, where=loaded.where, instrument=False,
                      tolerate_errors=True, restore_after=True, ratios=False, update=False)
@@ -333,7 +333,7 @@ def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str 
     run itself named). ``extra`` (filled in): the ranks replayed, for the report."""
     from . import sharded
 
-    caps, state = sharded.read_dir(path)
+    caps, state = sharded.read_dir(path, read)
     target = loaded.target
     module = target.model
     where = str(path)

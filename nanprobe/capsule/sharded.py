@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CapsuleError, short_path
-from ..sharding import fsdp1_root, sharded
-from .codec import safe_value, unwrap
+from ..base.errors import CapsuleError, short_path
+from ..base.sharding import fsdp1_root, sharded
+from .codec import capsule_name, safe_value, unwrap
 
 DIR_SUFFIX = ".capsule"
 DIR_NAME = re.compile(r"^step(\d+)-.*" + re.escape(DIR_SUFFIX) + r"$")
@@ -242,8 +242,6 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         raise OSError("a rank could not write its file of the capsule")
     final = err = None
     if rank == 0:
-        from .io import capsule_name
-
         for attempt in range(1000):
             name = capsule_name(step, 0, attempt).replace("-rank0-", "-")
             candidate = folder / (name[:-len(".capsule.pt")] + DIR_SUFFIX)
@@ -446,13 +444,12 @@ def optimizer_state(meta: Mapping[str, Any], tensors: Mapping[str, Any], opt: to
     return {"state": state, "param_groups": out_groups}
 
 
-def read_dir(path: str | os.PathLike) -> tuple[list, dict[str, Any]]:
-    """Every rank's capsule of a capsule directory (rank order) and its full state (see load_state).
+def read_dir(path: str | os.PathLike, read: Any) -> tuple[list, dict[str, Any]]:
+    """Every rank's capsule of a capsule directory (rank order, each read with ``read``, capsule.io's) and its
+    full state (see load_state).
 
     CapsuleError when the rank files disagree, when one is missing, or when the full state would not fit
     in this machine's memory."""
-    from .io import read
-
     p = Path(path)
     where = str(path)
     files = rank_files(p)

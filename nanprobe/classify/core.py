@@ -9,14 +9,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..checks import DataProblem
-from ..config import RunConfig
-from ..instrument import Event, Probe
-from ..precision import limits
-from ..replay import Reached
-from ..report import Cause, Finding, Phase, Status
-from ..rerun import StepTrace
-from ..target import Target
+from ..judge.checks import DataProblem
+from ..base.config import RunConfig
+from ..locate.instrument import Event, Probe
+from ..base.precision import limits
+from ..reach.replay import Reached
+from ..base.report import Cause, Finding, Phase, Status
+from ..locate.rerun import StepTrace
+from ..reach.target import Target
 
 import torch
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..divergence import Breakaway
-from ..monitor import Signal, Trend
-from ..precision import Precision, limits
-from ..report import Cause, Finding, Mechanism, Phase, Status
+from ..judge.divergence import Breakaway
+from ..judge.monitor import Signal, Trend
+from ..base.precision import Precision, limits
+from ..base.report import Cause, Finding, Mechanism, Phase, Status
 
 
 def _near_max(ranges, prec: Precision, factor: float = 2.0) -> list[str]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from ..instrument import Event
-from ..report import Cause, Finding
+from ..locate.instrument import Event
+from ..base.report import Cause, Finding
 from .core import Evidence, dtype_max, finding, g, node_base, op_base, origin_line
 
 Semantic = Callable[[Evidence, Event], "list[Finding] | None"]
@@ -151,7 +151,7 @@ def unbiased_over_one(ev: Evidence, e: Event) -> list[Finding] | None:
 
 
 def _batch_size(ev: Evidence) -> int | None:
-    from ..step import batch_size
+    from ..reach.step import batch_size
     items = ev.reached.recorded.items
     return batch_size(items[0]) if items else None
 

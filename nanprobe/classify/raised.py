@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..batch import iter_tensors
-from ..errors import UserCodeError
-from ..instrument import LOSS_FN, Failed
-from ..report import Cause, Finding, Phase
+from ..base.batch import iter_tensors
+from ..base.errors import UserCodeError
+from ..locate.instrument import LOSS_FN, Failed
+from ..base.report import Cause, Finding, Phase
 from .core import Evidence, finding, g, rule
 
 Explain = Callable[[Evidence, "re.Match[str]"], "list[Finding]"]

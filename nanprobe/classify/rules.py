@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..precision import limits
-from ..report import Cause, Finding, Phase, Status, StepRecord
+from ..base.precision import limits
+from ..base.report import Cause, Finding, Phase, Status, StepRecord
 from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, nonfinite_state, op_base,
                    origin_line, owning_group, rule, zeros)
 from .ops import semantics_for

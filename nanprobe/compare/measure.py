@@ -12,10 +12,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from ..batch import iter_tensors
-from ..instrument import LOSS_FN
-from ..report import Phase
-from ..rerun import StepTrace
+from ..base.batch import iter_tensors
+from ..locate.instrument import LOSS_FN
+from ..base.report import Phase
+from ..locate.rerun import StepTrace
 
 # -- capture: module outputs, their gradients and the parameter gradients of one rerun -----------------
 
@@ -47,7 +47,7 @@ class _Store:
     ref2: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)        # sum ref^2 of each output
     grads: dict[str, Any] = field(default_factory=dict)                            # name -> Slot (float32)
     grad_store: Any = None
-    storage: Any = None                                   # nanprobe.state.StoragePolicy for grad_store
+    storage: Any = None                                   # nanprobe.reach.state.StoragePolicy for grad_store
     full: bool = False
 
     def fits(self, t: torch.Tensor, itemsize: int) -> bool:
@@ -207,7 +207,7 @@ class _Capture:
         nought = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         if self.reference:
             if store.grad_store is None:
-                from ..state import StoragePolicy
+                from ..reach.state import StoragePolicy
                 pol = store.storage or StoragePolicy()
                 store.grad_store = pol.new_store(grads[0].device.type, sum(g.numel() * 4 for g in grads))
             slots = store.grad_store.put_all([g.float() if g.dtype != torch.float32 else g for g in grads])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UsageError
+from ..base.errors import UsageError
 from .records import Comparison
 
 

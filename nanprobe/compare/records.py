@@ -6,10 +6,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__
-from ..errors import EXIT_FOUND, EXIT_OK, UsageError
-from ..precision import Precision
-from ..report import SCHEMA, Origin, _num
+from ..base.version import __version__
+from ..base.errors import EXIT_FOUND, EXIT_OK, UsageError
+from ..base.precision import Precision
+from ..base.report import SCHEMA, Origin, _num
 
 CHOICES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp16+scaler")
 _RUNS = {"fp64": (Precision.FP64, False), "fp32": (Precision.FP32, False), "tf32": (Precision.TF32, False),

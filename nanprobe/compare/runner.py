@@ -8,17 +8,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..batch import iter_tensors
-from ..config import CompareConfig, Config, load_config
-from ..diagnose import origin_of
-from ..entry import Loaded, load_target
-from ..errors import UsageError
-from ..instrument import Event, Probe
-from ..precision import Precision, describe_device, device_of, emulate_fp16_matmuls
-from ..replay import NoBadStep, Reached, reach
-from ..report import Phase, Status
-from ..rerun import run_step
-from ..state import borrows_globals
+from ..base.batch import iter_tensors
+from ..base.config import CompareConfig, Config, load_config
+from ..pipeline.diagnose import origin_of
+from ..reach.entry import Loaded, load_target
+from ..base.errors import UsageError
+from ..locate.instrument import Event, Probe
+from ..base.precision import Precision, describe_device, device_of, emulate_fp16_matmuls
+from ..reach.replay import NoBadStep, Reached, reach
+from ..base.report import Phase, Status
+from ..locate.rerun import run_step
+from ..reach.state import borrows_globals
 from .measure import (ROOT, _bits, _Capture, _dtype_max, _input_underflow, _Measured, _OpProbe, _OriginProbe, _pct,
                       _pow2, _Run, _Store)
 from .records import (_PREFERENCE, _RUNS, CHOICES, Comparison, LayerRow, LayerStat, PrecisionRun, Ranked, ScalerResult,
@@ -171,7 +171,7 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
 
 def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, names: tuple[str, ...], k: int,
              progress: Callable[[str], None]) -> Comparison:
-    from ..replay import storage_policy
+    from ..reach.replay import storage_policy
     ccfg = cfg.compare
     target = loaded.target
     cmp = _Comparer(loaded, reached, ccfg, progress, storage=storage_policy(cfg.replay))

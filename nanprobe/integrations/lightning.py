@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..feed import MicroBatches, Position
-from ..hooked import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update
-from ..precision import Precision
-from ..target import Target, validate
+from ..reach.feed import MicroBatches, Position
+from ..live import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update
+from ..base.precision import Precision
+from ..reach.target import Target, validate
 from . import require
 
 try:
@@ -151,7 +151,7 @@ class NanprobeCallback(_Base):
     """Guard every optimizer step of a ``lightning.Trainer`` run; diagnose the first bad one in-process.
 
     ``dirpath``: where the capsule and the JSON report go. ``policy``: ``skip`` (default), ``stop``
-    (``trainer.should_stop``: the fit ends after the step), ``raise`` (:class:`nanprobe.hooked.Stopped`),
+    (``trainer.should_stop``: the fit ends after the step), ``raise`` (:class:`nanprobe.live.Stopped`),
     ``record`` (the update is applied). ``entry`` (``train.py:target``) makes the logged replay command
     complete. ``config``: a nanprobe Config, a YAML path or a dict of sections (``guard:`` thresholds,
     ``run:`` diagnosis settings); ``check_every`` overrides ``guard.check_every``. ``events`` lists what

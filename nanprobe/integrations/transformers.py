@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from ..feed import MicroBatches, Position
-from ..hooked import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update, total_norm
-from ..errors import UsageError
-from ..precision import Precision
-from ..target import Target, validate
+from ..reach.feed import MicroBatches, Position
+from ..live import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update, total_norm
+from ..base.errors import UsageError
+from ..base.precision import Precision
+from ..reach.target import Target, validate
 from . import require
 
 try:
@@ -126,7 +126,7 @@ class NanprobeCallback(_Base):
     """Guard every optimizer step of a ``transformers.Trainer`` run; diagnose the first bad one in-process.
 
     ``dirpath``: where the capsule and the JSON report go. ``policy``: ``skip`` (default), ``stop``
-    (``control.should_training_stop``), ``raise`` (:class:`nanprobe.hooked.Stopped` out of ``train()``),
+    (``control.should_training_stop``), ``raise`` (:class:`nanprobe.live.Stopped` out of ``train()``),
     ``record`` (the update is applied). ``entry`` makes the logged replay command complete. ``config``:
     a nanprobe Config, a YAML path or a dict of sections; ``check_every`` overrides
     ``guard.check_every``. ``max_reports``: bad steps diagnosed in-process (later ones get their capsule and

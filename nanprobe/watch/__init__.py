@@ -23,7 +23,7 @@ code untouched. While it runs:
 
 A closure optimizer (``LBFGS``) gets a wrapped closure through the step pre-hook: its first evaluation
 is the step's, checked before any update (a bad step's gradients are dropped there, so LBFGS stops
-and the others skip). After each checked update the weights flag (``nanprobe.updates``) is queued and
+and the others skip). After each checked update the weights flag (``nanprobe.judge.updates``) is queued and
 read in the next check's sync (or when the script ends): an update that made weights non-finite is
 reported at its own step, with the parameter, LR and optimizer state. Such weights cannot be recovered
 by skipping: that raises into the script (as policy ``raise`` does).
@@ -41,7 +41,7 @@ explained by ``nanprobe watch --at N -- python train.py ARGS`` (:mod:`nanprobe.w
 re-executed with step N instrumented, compared with the run record the watched run left in ``dirpath``.
 """
 
-from .forward import ForwardStep, find_loss
+from ..reach.forward import ForwardStep, find_loss
 from .run import WatchResult, parse_command, watch
 from .watcher import POLICIES, Watcher
 

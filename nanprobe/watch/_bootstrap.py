@@ -134,7 +134,7 @@ def _start() -> None:
         settings = _settings()
         if settings.get("path") and importlib.util.find_spec("nanprobe") is None:
             sys.path.append(settings["path"])
-        from nanprobe.watch.launch import start_watcher
+        from nanprobe.watch.child import start_watcher
         _State.watcher = start_watcher(settings, on_event=_progress)
         _progress()   # counted even if the launcher kills it before it exits
     except Exception as exc:  # noqa: BLE001 - the user's training goes on, unwatched; the row says why
@@ -196,7 +196,7 @@ def _progress() -> None:
     """The row so far (exit unknown): written when the Watcher starts and after each bad step."""
     if _State.inert or os.getpid() != _State.pid or _State.watcher is None:
         return
-    from nanprobe.watch.launch import watcher_row
+    from nanprobe.watch.child import watcher_row
     _write_row(watcher_row(_State.watcher), exited=False)
 
 
@@ -223,7 +223,7 @@ def _at_exit() -> None:
         w = _State.watcher
         row = None
         if w is not None:
-            from nanprobe.watch.launch import finish_watcher
+            from nanprobe.watch.child import finish_watcher
             row = finish_watcher(w)
         # `nanprobe watch -- LAUNCHER ...` run under an outer watch: it followed (and reported) its own processes
         _State.own_watch = _State.own_watch or bool(getattr(sys.modules.get("nanprobe.watch.launch"), "followed", 0))

@@ -1,6 +1,6 @@
 """The hooks of `nanprobe watch --at N`: the guarded optimizer's steps counted as ``watch`` counts them,
 nothing checked before step N, step N instrumented from its first root-module forward to the end of its
-optimizer update (:class:`nanprobe.instrument.OriginTracker`, the instrumentation ``nanprobe run`` uses),
+optimizer update (:class:`nanprobe.locate.instrument.OriginTracker`, the instrumentation ``nanprobe run`` uses),
 then the script stopped."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Any
 import torch
 
 from ..capsule import compiled_graphs, unwrap
-from ..hooked.events import current_lr, skip_update, total_norm
-from ..hooked.guard import _f32
-from ..instrument import LOSS_FN, OriginTracker, _anomaly_source
-from ..precision import Precision
-from ..report import Phase
-from ..sharding import weights_finite
-from ..step import Loop, Patch
-from ..target import validate
-from .forward import ForwardStep, autocast_dtype, batch_of, device_of_module
+from ..live.events import current_lr, skip_update, total_norm
+from ..live.hooked import _f32
+from ..locate.instrument import LOSS_FN, OriginTracker, _anomaly_source
+from ..base.precision import Precision
+from ..base.report import Phase
+from ..base.sharding import weights_finite
+from ..reach.step import Loop, Patch
+from ..reach.target import validate
+from ..reach.forward import ForwardStep, autocast_dtype, batch_of, device_of_module
 
 
 class Done(BaseException):

@@ -7,7 +7,7 @@ of ``watch`` (the guarded optimizer's steps 0, 1, ...; a GradScaler skip is a st
 before step N (a Python call per optimizer step). From the first forward of the root module in step N (the
 first module called with gradients enabled once step N-1's update is over) to the end of step N's optimizer
 update, the run's own ops go through the instrumentation ``nanprobe run`` uses
-(:class:`nanprobe.instrument.OriginTracker`, forward / backward / update phases, anomaly mode's forward
+(:class:`nanprobe.locate.instrument.OriginTracker`, forward / backward / update phases, anomaly mode's forward
 lines for the backward nodes); then the script is stopped and the trace is classified with the same
 ``classify`` and ``fixes`` code into the same JSON report.
 
@@ -40,15 +40,15 @@ import torch
 
 from ..classify import Evidence, classify, scaler_skip_note
 from ..classify.mechanism import mechanism_findings
-from ..config import Config
-from ..errors import UsageError
-from ..feed import Recorded
-from ..fixes import attach
-from ..hooked import resolve_config
-from ..instrument import LOSS_FN
-from ..precision import describe_device
-from ..replay import Reached, scheduler_info
-from ..report import (Cause, Fidelity, Finding, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps,
+from ..base.config import Config
+from ..base.errors import UsageError
+from ..reach.feed import Recorded
+from ..remedy.fixes import attach
+from ..live import resolve_config
+from ..locate.instrument import LOSS_FN
+from ..base.precision import describe_device
+from ..reach.replay import Reached, scheduler_info
+from ..base.report import (Cause, Fidelity, Finding, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps,
                       write_new)
 from .armed import OUTSIDE, Done, StepHooks
 from .record import DEFAULT_DIR, at_command, find_run, restore_start_state
@@ -196,9 +196,9 @@ def _status_of(loss: float | None, norm: float | None, weights_ok: bool | None, 
 def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[str, Any] | None,
             first: dict[str, Any], cfg: Config, notes: list[str], restored: list[str],
             script_error: str | None) -> tuple[Report, bool | None]:
-    from ..diagnose import _context, _event_json, autocast_policy, check_data, mark_masked, origin_of
-    from ..precision import device_of
-    from ..rerun import StepTrace
+    from ..pipeline.diagnose import _context, _event_json, autocast_policy, check_data, mark_masked, origin_of
+    from ..base.precision import device_of
+    from ..locate.rerun import StepTrace
 
     entry = shlex.join(command)
     first_status = Status(first["status"]) if first.get("status") in {s.value for s in Status} else None
@@ -375,7 +375,7 @@ def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.
         return None, None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "at.json"
-        argv = [sys.executable, "-m", "nanprobe.cli", "watch", "--at", str(step), "--dir", str(dirpath),
+        argv = [sys.executable, "-m", "nanprobe.surface.cli", "watch", "--at", str(step), "--dir", str(dirpath),
                 "--json", str(out), *(["--config", str(config)] if config is not None else []), "--", *command]
         done = subprocess.run(argv, check=False)
         try:

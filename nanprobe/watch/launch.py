@@ -4,8 +4,8 @@
 The command gets a folder prepended to ``PYTHONPATH`` whose ``sitecustomize.py`` is
 :mod:`nanprobe.watch._bootstrap`, and two environment variables: ``NANPROBE_WATCH_RUN`` (a run directory)
 and ``NANPROBE_WATCH`` (the watch settings as JSON). In each child interpreter the first optimizer
-built starts a :class:`~nanprobe.watch.watcher.Watcher` (:func:`start_watcher`: the in-process path's
-code), and at exit :func:`finish_watcher` finishes it; the bootstrap writes one row per process into the
+built starts a :class:`~nanprobe.watch.watcher.Watcher` (:mod:`nanprobe.watch.child`: the in-process path's
+code), and at exit the child finishes it; the bootstrap writes one row per process into the
 run directory. The parent waits for the command, reads the rows (:func:`read_rows`) and returns the
 command's exit code in a :class:`~nanprobe.watch.run.WatchResult` whose ``processes`` are the rows.
 """
@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..errors import UsageError
-from ..hooked import HookEvent, Stopped, resolve_config
+from ..base.config import Config
+from ..base.errors import UsageError
+from ..live import HookEvent
 from ._bootstrap import RUN_ENV, RUN_PREFIX, SETTINGS_ENV
 
 followed = 0   # commands run by run_command in this process (an outer watch's bootstrap reads it)
@@ -61,10 +60,18 @@ class ProcessRow:
         return tuple(e.report for e in self.events if e.report)
 
 
+_PYTHONS = ("python", "python3")
+
+
+def is_python(exe: str) -> bool:
+    """``python``, ``python3.11``, or this interpreter by another name."""
+    return os.path.basename(exe).startswith(_PYTHONS) or \
+        os.path.realpath(shutil.which(exe) or exe) == os.path.realpath(sys.executable)
+
+
 def follows(command: Sequence[str]) -> bool:
     """The command is run as a subprocess whose Python children are followed: anything but ``python
     SCRIPT`` / ``python -m MODULE`` (those run in-process), and ``python -m`` of a known launcher."""
-    from .run import is_python
 
     argv = list(command)
     if not argv:
@@ -81,68 +88,6 @@ def settings_for(*, cfg: Config, policy: str, dirpath: str | os.PathLike, entry:
     """The watch settings every child reads (``NANPROBE_WATCH``): plain JSON."""
     return {"policy": policy, "dirpath": str(Path(dirpath).resolve()), "entry": entry, "max_reports": max_reports,
             "config": dataclasses.asdict(cfg), "path": str(Path(__file__).resolve().parents[2])}
-
-
-class _Notify(logging.Handler):
-    """Calls back after each line the Watcher logs (a bad step): the bootstrap rewrites the process's row,
-    so a rank the launcher kills (SIGTERM: no ``atexit``) still shows its bad steps."""
-
-    def __init__(self, callback: Callable[[], None]):
-        super().__init__()
-        self._callback = callback
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._callback()
-        except Exception:  # noqa: BLE001 - never into the user's training
-            pass
-
-
-def start_watcher(settings: dict[str, Any], on_event: Callable[[], None] | None = None):
-    """In a child process, when it builds its first optimizer: a Watcher with the parent's settings,
-    installed; its log lines go to stderr as under the CLI, then ``on_event`` is called."""
-    from .watcher import Watcher
-
-    log = logging.getLogger("nanprobe.watch")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    if on_event is not None:
-        log.addHandler(_Notify(on_event))
-    cfg = resolve_config(settings.get("config"), "nanprobe watch")
-    watcher = Watcher(config=cfg, policy=settings.get("policy", "skip"),
-                      dirpath=settings.get("dirpath", "nanprobe-reports"), entry=settings.get("entry"),
-                      max_reports=int(settings.get("max_reports", 1)))
-    watcher.__enter__()
-    return watcher
-
-
-def finish_watcher(watcher) -> dict[str, Any]:
-    """At the child's exit: the pending bad step diagnosed, the hooks removed; the row's fields."""
-    error = None
-    try:
-        watcher.finish_at_exit()
-    except Stopped as exc:
-        error = exc.message
-    except Exception as exc:  # noqa: BLE001 - the process is exiting: the row says what went wrong
-        error = f"nanprobe: internal error at exit: {type(exc).__name__}: {exc}"
-    finally:
-        watcher.__exit__()
-    return dict(watcher_row(watcher), error=error)
-
-
-def watcher_row(watcher) -> dict[str, Any]:
-    """What the Watcher saw so far, as the row's fields (the bootstrap adds pid, argv, exit, RANK...)."""
-    # (rank, world) as the guard last read it (the process group is often gone by exit); RANK and
-    # WORLD_SIZE, where the launcher set them, come first (the bootstrap)
-    rank, world = getattr(watcher.guard, "_world", None) or (None, None)
-    if world is not None and world <= 1:
-        rank = world = None
-    return {"steps": watcher.steps, "events": [dataclasses.asdict(e) for e in watcher.events],
-            "root": type(watcher.root).__name__ if watcher.root is not None else None,
-            "notes": list(watcher.notes), "error": None, "rank": rank, "world_size": world}
 
 
 # -- in the parent: run the command, read the rows --------------------------------------------------------
@@ -213,5 +158,4 @@ def run_command(command: Sequence[str], settings: dict[str, Any]) -> tuple[int, 
         shutil.rmtree(run, ignore_errors=True)
 
 
-__all__ = ["ProcessRow", "LAUNCHER_MODULES", "follows", "run_command", "read_rows", "settings_for",
-           "start_watcher", "finish_watcher", "watcher_row"]
+__all__ = ["ProcessRow", "LAUNCHER_MODULES", "follows", "is_python", "run_command", "read_rows", "settings_for"]

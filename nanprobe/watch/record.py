@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..report import StepRecord, _num
+from ..base.report import StepRecord, _num
 
 RUN_SUFFIX = ".run.jsonl"
 DEFAULT_DIR = "nanprobe-reports"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
-import shutil
 import sys
 import traceback
 from collections.abc import Sequence
@@ -13,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..hooked import HookEvent, Stopped, check_policy, resolve_config, shown
-from .launch import ProcessRow, follows, run_command, settings_for
+from ..base.errors import UsageError
+from ..live import HookEvent, Stopped, check_policy, resolve_config, shown
+from .launch import ProcessRow, follows, is_python, run_command, settings_for
 from .watcher import POLICIES, Watcher
 
-_PYTHONS = ("python", "python3")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,12 +101,6 @@ def _processes_summary(result: WatchResult) -> str:
 
 
 # -- the command line after `--` ----------------------------------------------------------------------
-
-def is_python(exe: str) -> bool:
-    """``python``, ``python3.11``, or this interpreter by another name."""
-    return os.path.basename(exe).startswith(_PYTHONS) or \
-        os.path.realpath(shutil.which(exe) or exe) == os.path.realpath(sys.executable)
-
 
 def parse_command(argv: Sequence[str]) -> tuple[str, str, list[str]]:
     """``python train.py ARGS`` / ``python -m pkg.train ARGS`` -> (kind, target, args)."""

@@ -14,21 +14,21 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ..config import Config
-from ..feed import Position
+from ..base.config import Config
+from ..reach.feed import Position
 from ..capsule import unwrap
-from ..guard import POLICIES   # the guard's policies: a script has no "stop"
-from ..hooked import HookedGuard, HookEvent, skip_update, total_norm
-from ..hooked.guard import Pending
-from ..precision import Precision
-from ..report import Cause, Phase, Report, Status
-from ..sharding import local_value
-from ..state import capture_rng
-from ..step import Patch
-from ..target import Target, validate
-from ..updates import update_finding, update_forensics
+from ..live.guard import POLICIES   # the guard's policies: a script has no "stop"
+from ..live import HookedGuard, HookEvent, skip_update, total_norm
+from ..live.hooked import Pending
+from ..base.precision import Precision
+from ..base.report import Cause, Phase, Report, Status
+from ..base.sharding import local_value
+from ..reach.state import capture_rng
+from ..reach.step import Patch
+from ..reach.target import Target, validate
+from ..judge.updates import update_finding, update_forensics
 from .record import at_command, record_json, write_run_record
-from .forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
+from ..reach.forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
 
 

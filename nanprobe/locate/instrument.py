@@ -1,0 +1,753 @@
+"""Find the op that PRODUCED the first non-finite value, in forward, backward and update.
+
+``OriginTracker`` is the public facade. It owns a private ``TorchDispatchMode`` that checks the
+floating outputs of every op (a float32 sum is non-finite iff a value is; ``torch.aminmax`` then
+tells NaN from ±Inf), and global module hooks that keep the module stack, label each autograd
+node with the module that created it (a walk back from the module's outputs: exact, where
+``ModuleTracker`` misattributes backward ops), and record per-module range statistics. The
+forward source line of a backward origin comes from anomaly mode's node metadata in the one
+rerun that needs it (``source_of_node``). Nothing here prints; everything is collected and the
+hooks are removed on exit, errors included.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..base.batch import iter_tensors
+from ..base.errors import _is_library_file, short_path, user_source_frame
+from ..base.precision import Limits, limits
+from ..base.report import ModuleRange, Phase
+
+aten = torch.ops.aten
+
+LOSS_FN = "(loss_fn)"   # ops outside any module of the model
+
+# Ops whose output cannot hold a newly born non-finite value, or holds garbage by design.
+_SKIP = {
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.detach.default,
+    aten.lift_fresh.default, aten._local_scalar_dense.default, aten.set_.source_Storage,
+    aten.zeros.default, aten.zeros_like.default, aten.ones_like.default, aten.ones.default,
+    aten.zero_.default, aten.aminmax.default, aten.isfinite.default, aten.isnan.default,
+    aten.isinf.default,
+}
+
+# Ops that cannot turn finite inputs into a non-finite output: they move, select, copy or mask
+# values (a masked_fill with -inf is an intended mask: its -inf is an input). A non-finite value
+# they pass on was produced by an earlier, checked op, so skipping them loses no origin.
+_MOVERS = {
+    aten.clone.default, aten._unsafe_view.default, aten.view.default, aten._reshape_alias.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
+    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+    aten.embedding.default, aten.index_select.default, aten.gather.default, aten.index.Tensor,
+    aten.cat.default, aten.stack.default, aten.relu.default, aten.relu_.default, aten.threshold_backward.default,
+    aten.copy.default,
+    aten.select_backward.default, aten.slice_backward.default, aten.constant_pad_nd.default,
+    aten.max_pool2d_with_indices.default, aten.repeat.default, aten.roll.default, aten.flip.default,
+    aten.tril.default, aten.triu.default, aten.zero_.default, aten.fill_.Scalar,
+}
+
+
+def _narrowing_cast(args, out) -> bool:
+    """Whether a dtype conversion can overflow: to a type whose range is smaller (fp32 -> fp16)."""
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return False
+    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if src is None or not src.is_floating_point():
+        return True
+    return torch.finfo(out.dtype).max < 0.99 * torch.finfo(src.dtype).max
+
+
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+_UNCHECKED = _SKIP | _MOVERS | _CASTS   # one set lookup per op on the dispatch path
+
+MAX_EVENTS = 12
+_OP_NAMES: dict[Any, str] = {}
+# Reductions whose -inf output from -inf inputs means an empty set (every entry of the slice was
+# -inf, e.g. an anchor with no positive): an origin, not an intended mask passing through.
+_EMPTY_SET = {aten.logsumexp.default}
+
+
+@dataclass(slots=True)
+class TensorStats:
+    """Numbers about one input of the origin op (for classification and evidence)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    absmax: float
+    min: float
+    max: float
+    min_nonzero: float | None
+    zeros: int
+    negatives: int
+    nonfinite: int
+    numel: int
+
+
+@dataclass(slots=True)
+class Event:
+    """One op that produced non-finite values from inputs without them."""
+
+    index: int                 # position among all checked ops of the step
+    phase: Phase
+    module: str | None
+    op: str
+    node: str | None           # autograd node executing (backward)
+    kind: str                  # nan | +inf | -inf | inf
+    source: str | None
+    code: str | None
+    out_dtype: str
+    out_nonfinite: int
+    out_numel: int
+    samples: tuple[int, ...]
+    inputs: list[TensorStats]
+    scalars: list[Any]
+    occurrence: int            # k-th call of this op in this module and phase
+    parameter: str | None = None
+    update_info: dict[str, Any] | None = None
+    masked: bool = False       # set later when the step's loss stayed finite
+    node_seq: int | None = None  # backward: the node's creation order in the step (finds it again in a rerun)
+    micro: int | None = None   # the micro-batch being processed (gradient accumulation)
+
+
+@dataclass(slots=True)
+class Failed:
+    """The op that raised an exception (the user's code raised inside it)."""
+
+    phase: Phase
+    module: str | None
+    op: str
+    source: str | None
+    code: str | None
+    inputs: list[TensorStats]
+
+
+@dataclass(slots=True)
+class Probe:
+    """What to record about one specific op call in a reference rerun."""
+
+    phase: Phase
+    module: str | None
+    op: str
+    occurrence: int
+    node: str | None = None
+    inputs: list[TensorStats] | None = None
+    out_absmax: float | None = None
+    found: bool = False
+
+
+@dataclass(slots=True)
+class _ModuleStat:
+    name: str
+    op_index: int
+    dtype: str
+    stats: torch.Tensor        # [absmax, min_nonzero, zero_frac, over_frac, under_frac, nonfinite]
+
+
+@dataclass(slots=True)
+class Trace:
+    events: list[Event] = field(default_factory=list)
+    ranges: list[ModuleRange] = field(default_factory=list)
+    range_op_index: list[int] = field(default_factory=list)
+    ops_checked: int = 0
+    probe: Probe | None = None
+    node_source: tuple[str | None, str | None] | None = None  # (file:line, code) of a node found in a rerun
+    flagged: set[int] = field(default_factory=set)   # deferred mode: ops whose output was non-finite
+    reads: int = 0                                   # device-to-host reads the tracker made
+    failed: Failed | None = None  # the op that raised, when the step raised inside an op
+    # the first op with a non-finite output when its input was already non-finite and no op of the step made
+    # it so: the value came from outside the ops checked (a NaN constant, a tensor the step did not compute)
+    entered: Event | None = None
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """One reduction per tensor and one sync. A float32 sum is NaN/Inf if any value is; it can
+    also overflow on its own (values near 3e38), so a True here is confirmed with aminmax."""
+    if len(tensors) == 1:
+        return not math.isfinite(_sum(tensors[0]).item())
+    return not all(math.isfinite(v) for v in torch.stack([_sum(t).double() for t in tensors]).tolist())
+
+
+def _kinds(tensors: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
+    """(has_nan, has_posinf, has_neginf) per tensor, with one device sync."""
+    if not tensors:
+        return []
+    mins, maxs = [], []
+    for t in tensors:
+        mn, mx = torch.aminmax(t.detach())
+        mins.append(mn.float())
+        maxs.append(mx.float())
+    values = torch.stack(mins + maxs).tolist()
+    n = len(tensors)
+    out = []
+    for i in range(n):
+        mn, mx = values[i], values[n + i]
+        nan = math.isnan(mn) or math.isnan(mx)
+        out.append((nan, mx == math.inf, mn == -math.inf))
+    return out
+
+
+def _tensor_stats(t: torch.Tensor) -> TensorStats:
+    x = t.detach().float()
+    finite = torch.isfinite(x)
+    fx = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    ax = fx.abs()
+    nz = torch.where(ax > 0, ax, torch.full((), math.inf, device=x.device))
+    row = torch.stack([ax.max(), fx.min(), fx.max(), nz.min(), (x == 0).sum().float(), (x < 0).sum().float(),
+                       (~finite).sum().float()]).tolist()
+    return TensorStats(dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape), absmax=row[0], min=row[1],
+                       max=row[2], min_nonzero=None if math.isinf(row[3]) else row[3], zeros=int(row[4]),
+                       negatives=int(row[5]), nonfinite=int(row[6]), numel=t.numel())
+
+
+_WRITTEN: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """Tensors an in-place or out= op writes to (checked before the op overwrites them)."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                                         if a.alias_info is not None and a.alias_info.is_write)
+    out: list[torch.Tensor] = []
+    for i, name, kwarg_only in written:
+        value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.numel() > 0:
+                out.append(value)
+        elif value is not None:
+            out.extend(_floats(value))
+    return out
+
+
+class _OriginMode(TorchDispatchMode):
+    def __init__(self, tracker: OriginTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracker
+        if not tr.active:
+            return func(*args, **kwargs)
+        if func in _UNCHECKED or func.is_view:
+            try:   # not checked for new non-finite values, but where a step raises is always noted
+                out = func(*args, **kwargs)
+            except Exception:
+                tr._failed(func, args, kwargs)
+                raise
+            if func in _CASTS and _narrowing_cast(args, out):
+                tr._check(func, args, kwargs, out, [], None)
+            return out
+        mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
+        pre = None
+        if mutated and tr.checks(tr.trace.ops_checked + 1):   # before the op overwrites them
+            with torch._C.DisableTorchFunction():
+                pre = _kinds(mutated)
+                tr.reads += 1
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            tr._failed(func, args, kwargs)
+            raise
+        tr._check(func, args, kwargs, out, mutated, pre)
+        return out
+
+
+class OriginTracker:
+    """Instrument one training step; read ``trace`` afterwards.
+
+    Use as a context manager around the step and call ``set_phase`` at the boundaries
+    (the step function in ``rerun`` does this).
+    """
+
+    def __init__(self, model: torch.nn.Module,
+                 optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None, *,
+                 low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
+                 ranges: bool = True, source_of_node: int | None = None, context: int = 6,
+                 phases: frozenset[Phase] | None = None, deferred: bool = False,
+                 only: frozenset[int] | None = None):
+        self.model = model
+        # deferred: each checked op's finiteness stays on the device (a sum), read once per phase; the
+        # ops found non-finite are then checked one by one in a second pass with ``only`` = their
+        # indices (no device sync for the others). Without either: every op is checked as it runs.
+        self.deferred = deferred
+        self.only = only
+        self.flagged: set[int] = set()        # deferred: indices of ops with a non-finite output
+        self.reads = 0                        # device-to-host reads the tracker made
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._bad_storages: set[int] = set()  # only-mode: outputs of flagged ops (their users propagate)
+        # the phases whose ops are checked one by one (others run at full speed)
+        self.phases = frozenset(phases) if phases is not None else frozenset(Phase)
+        self.optimizers = [] if optimizers is None else (
+            [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers))
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.limits: Limits = limits(low_dtype or torch.float16)
+        self.batch_size = batch_size
+        self.trace = Trace(probe=probe)
+        self.phase: Phase = Phase.FORWARD
+        self.active = False
+        self.stack: list[str] = []
+        self.node_labels: dict[Any, str] = {}       # autograd node -> module that created it
+        self.base_seq = 0                             # sequence number at the start of the step
+        self._started = False
+        self.micro: int | None = None                 # micro-batch in progress (accumulation)
+        self._micros = 1
+        self.source_of_node = source_of_node          # node_seq whose forward line to read (anomaly rerun)
+        self._want_ranges = ranges
+        self._module_stats: list[_ModuleStat] = []
+        # the last module outputs, by reference: their ranges are computed only for the modules
+        # just before the origin (or the end of the forward), not for every module
+        self._recent: deque[tuple[str, torch.Tensor, int]] = deque(maxlen=max(context, 1))
+        self._origin_module: str | None = None  # its range is taken when it finishes
+        self._occurrences: dict[tuple, int] = {}
+        self._storage_names: dict[int, tuple[str, str]] = {}
+        self._handles: list[Any] = []
+        self._modes: list[Any] = []
+
+    # -- context -------------------------------------------------------------------------
+    def __enter__(self) -> OriginTracker:
+        mm = torch.nn.modules.module
+        self._handles = [mm.register_module_forward_pre_hook(self._pre_hook),
+                         mm.register_module_forward_hook(self._post_hook, always_call=True)]
+        self._modes = [_OriginMode(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        self.active = self.phase in self.phases
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._modes, self._handles = [], []
+        self._flush_recent()
+        self._flush_pending()
+        self._finish_ranges()
+        self.trace.flagged = set(self.flagged)
+        self.trace.reads = self.reads
+
+    def checks(self, index: int) -> bool:
+        """Whether op number ``index`` is checked as it runs (with device syncs)."""
+        return not self.deferred and (self.only is None or index in self.only)
+
+    def _flush_pending(self) -> None:
+        """Deferred mode: read the pending per-op sums in one go; note the ops that went non-finite."""
+        if not self._pending:
+            return
+        values = torch.stack([v for _, v in self._pending]).tolist()
+        self.reads += 1
+        self.flagged.update(i for (i, _), v in zip(self._pending, values) if not math.isfinite(v))
+        self._pending = []
+
+    def set_phase(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD and not self._started:   # node numbers count from the step's start
+            self._started = True
+            self.active = False
+            self.base_seq = _next_sequence_nr()
+        elif phase is not Phase.FORWARD and self.phase is Phase.FORWARD:
+            self._flush_recent()
+        if phase is not self.phase:
+            self._flush_pending()
+        self.phase = phase
+        self.active = phase in self.phases
+        if phase is Phase.UPDATE and self.optimizers and self.active:
+            self._index_optimizer()
+
+    def set_micro(self, j: int, batch_size: int | None, count: int) -> None:
+        """The step moved on to micro-batch ``j`` (of ``count``) with ``batch_size`` samples."""
+        self.micro = j
+        self._micros = count
+        self.batch_size = batch_size
+
+    # -- module tracking -----------------------------------------------------------------
+    def current_module(self) -> str:
+        return self.stack[-1] if self.stack else LOSS_FN
+
+    def _pre_hook(self, module, args):
+        name = self.names.get(id(module))
+        if name is not None and self.phase is Phase.FORWARD:
+            self.stack.append(name)
+
+    def _post_hook(self, module, args, output):
+        name = self.names.get(id(module))
+        if name is None or self.phase is not Phase.FORWARD:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        if Phase.BACKWARD in self.phases and torch.is_grad_enabled():
+            self._label_nodes(name, output)
+        if self._want_ranges and self.active:
+            outs = [t for _, t in iter_tensors(output) if t.is_floating_point() and t.numel() > 0]
+            if outs:
+                if not self.trace.events:
+                    self._recent.append((name, outs[0], self.trace.ops_checked))
+                elif name == self._origin_module:
+                    self._record_range(name, outs[0], self.trace.ops_checked)
+                    self._origin_module = None
+
+    def _label_nodes(self, name: str, output: Any) -> None:
+        """Label the autograd nodes this module created: walk back from its outputs to labelled nodes.
+
+        Post-hooks run innermost module first, so each node gets the innermost module that made it;
+        nodes the loss_fn creates outside the model stay unlabelled and read as "(loss_fn)".
+        """
+        labels = self.node_labels
+        todo = [t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in labels:
+                continue
+            labels[node] = name
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in labels and not hasattr(nxt, "variable"):
+                    todo.append(nxt)
+
+    def _flush_recent(self) -> None:
+        """Compute the ranges of the remembered module outputs (at the origin, or the forward's end)."""
+        for name, t, op_index in self._recent:
+            self._record_range(name, t, op_index)
+        self._recent.clear()
+
+    def _record_range(self, name: str, t: torch.Tensor, op_index: int) -> None:
+        was, self.active = self.active, False  # our own reductions are not the user's ops
+        try:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                x = t.detach()
+                a = x.abs().float()
+                finite = torch.isfinite(a)
+                inf = torch.full((), math.inf, device=a.device)
+                zero = (a == 0)
+                stats = torch.stack([
+                    torch.where(finite, a, torch.zeros((), device=a.device)).max(),
+                    torch.where(zero | ~finite, inf, a).min(),
+                    zero.float().mean(),
+                    (finite & (a > self.limits.max)).float().mean(),
+                    (~zero & (a < self.limits.tiny)).float().mean(),
+                    (~finite).float().sum(),
+                ])
+            self._module_stats.append(_ModuleStat(name=name,
+                                                  op_index=op_index,
+                                                  dtype=str(t.dtype).replace("torch.", ""), stats=stats))
+        finally:
+            self.active = was
+
+    def _finish_ranges(self) -> None:
+        if not self._module_stats:
+            return
+        rows = torch.stack([m.stats.cpu() for m in self._module_stats]).tolist()
+        self.reads += 1
+        for m, row in zip(self._module_stats, rows):
+            self.trace.ranges.append(ModuleRange(
+                module=m.name, dtype=m.dtype, absmax=row[0], min_nonzero=None if math.isinf(row[1]) else row[1],
+                zero_frac=row[2], over_frac=row[3], under_frac=row[4], finite=row[5] == 0))
+            self.trace.range_op_index.append(m.op_index)
+        self._module_stats = []
+
+    # -- update phase --------------------------------------------------------------------
+    def _index_optimizer(self) -> None:
+        names: dict[int, tuple[str, str]] = {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    pname = self.param_names.get(id(p), "?")
+                    names[p.untyped_storage().data_ptr()] = (pname, "param")
+                    if p.grad is not None:
+                        names[p.grad.untyped_storage().data_ptr()] = (pname, "grad")
+                    for key, value in opt.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor) and value.numel() > 1:
+                            names[value.untyped_storage().data_ptr()] = (pname, key)
+        self._storage_names = names
+
+    def _param_at(self, bad: torch.Tensor, outs: list[torch.Tensor], args: Any) -> torch.Tensor | None:
+        """The parameter at ``bad``'s position in a foreach op's tensor list, where exactly one param group
+        has that many parameters with a gradient (the lists an optimizer's foreach step walks)."""
+        for lst in [outs, *_tensor_lists(args)]:
+            i = next((k for k, t in enumerate(lst) if t is bad), None)
+            if i is None:
+                continue
+            groups = [[p for p in g["params"] if p.grad is not None] for o in self.optimizers
+                      for g in o.param_groups]
+            fits = [g for g in groups if len(g) == len(lst)]
+            return fits[0][i] if len(fits) == 1 else None
+        return None
+
+    def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
+        for t in tensors:
+            hit = self._storage_names.get(t.untyped_storage().data_ptr())
+            if hit is None:
+                continue
+            pname, role = hit
+            info: dict[str, Any] = {"parameter": pname, "role": role}
+            params = dict(self.model.named_parameters())
+            p = params.get(pname)
+            opt = next((o for o in self.optimizers for g in o.param_groups if any(q is p for q in g["params"])),
+                       None) if p is not None else None
+            if opt is not None:
+                for group in opt.param_groups:
+                    if any(q is p for q in group["params"]):
+                        info["lr"] = _scalar(group.get("lr"))
+                        if "eps" in group:
+                            info["eps"] = _scalar(group["eps"])
+                        if "weight_decay" in group:
+                            info["weight_decay"] = _scalar(group["weight_decay"])
+                        break
+                state = opt.state.get(p, {})
+                info["optimizer"] = type(opt).__name__
+                for key in ("exp_avg_sq", "square_avg", "sum", "exp_inf", "exp_avg"):
+                    v = state.get(key)
+                    if isinstance(v, torch.Tensor) and v.numel():
+                        vv = v.detach().float()
+                        info[f"{key}_min"] = vv.min().item()
+                        info[f"{key}_zeros"] = int((vv == 0).sum().item())
+                        info[f"{key}_numel"] = v.numel()
+            return pname, info
+        return None, None
+
+    # -- the check -----------------------------------------------------------------------
+    def _failed(self, func, args, kwargs) -> None:
+        """Note the op that raised (the first one): where the user's step failed, and its inputs."""
+        if self.trace.failed is not None:
+            return
+        self.active = False
+        try:
+            with torch._C.DisableTorchFunction():
+                file, line, code = user_source_frame() if self.phase is Phase.FORWARD else (None, None, None)
+                self.trace.failed = Failed(phase=self.phase, module=self._module_for_op(), op=str(func),
+                                           source=f"{file}:{line}" if file else None, code=code,
+                                           inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
+        except Exception:  # noqa: BLE001 - best effort: the user's own exception is what propagates
+            pass
+        finally:
+            self.active = True
+
+    def _check(self, func, args, kwargs, out, mutated, pre) -> None:
+        if isinstance(out, torch.Tensor):
+            outs = [out] if out.is_floating_point() and out.numel() > 0 else []
+        else:
+            outs = _floats(out)
+        if not outs:
+            outs = mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
+        if not outs:
+            return
+        was, self.active = self.active, False
+        try:
+            with torch._C.DisableTorchFunction():
+                self._check_outputs(func, args, kwargs, outs, mutated, pre)
+        finally:
+            self.active = was
+
+    def _check_outputs(self, func, args, kwargs, outs, mutated, pre) -> None:
+        trace = self.trace
+        trace.ops_checked += 1
+        module = self._module_for_op()
+        op = _OP_NAMES.get(func)
+        if op is None:
+            op = _OP_NAMES[func] = str(func)
+        node_name = self._node_name()
+        key = (self.phase, module, op, node_name)
+        occ = self._occurrences.get(key, 0)
+        self._occurrences[key] = occ + 1
+        probe = trace.probe
+        if probe is not None and not probe.found and probe.phase is self.phase and probe.module == module \
+                and probe.op == op and probe.occurrence == occ and (probe.node is None or probe.node == node_name):
+            probe.found = True
+            probe.inputs = [_tensor_stats(t) for t in _floats((args, kwargs))]
+            probe.out_absmax = max(_tensor_stats(t).absmax for t in outs)
+            self.reads += 2
+        if len(trace.events) >= MAX_EVENTS:
+            return
+        if self.deferred:
+            total = _sum(outs[0]).double()
+            for t in outs[1:]:
+                total = total + _sum(t).double().to(total.device)
+            self._pending.append((trace.ops_checked, total))
+            return
+        if self.only is not None:
+            if trace.ops_checked not in self.only:
+                return
+            ins = _floats((args, kwargs))
+            propagated = any(t.untyped_storage().data_ptr() in self._bad_storages for t in ins
+                             if not any(t is m for m in mutated))
+            self._bad_storages.update(t.untyped_storage().data_ptr() for t in outs)
+            if propagated:
+                return   # fed by an op already found non-finite: a propagator (no sync spent on it)
+        else:
+            self.reads += 1
+            if not _any_nonfinite(outs):
+                return
+        self.reads += 4   # the kinds of outputs and inputs, the count, the samples
+        out_kinds = _kinds(outs)
+        if not any(any(k) for k in out_kinds):
+            return  # the sum overflowed, the values are finite
+        inputs = [t for t in _floats((args, kwargs)) if not any(t is m for m in mutated)]
+        in_kinds = _kinds(inputs) + (pre or [])
+        scalars = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        in_nan = any(k[0] for k in in_kinds) or any(isinstance(s, float) and math.isnan(s) for s in scalars)
+        in_inf = any(k[1] or k[2] for k in in_kinds) or any(isinstance(s, float) and math.isinf(s) for s in scalars)
+        out_nan = any(k[0] for k in out_kinds)
+        out_pos = any(k[1] for k in out_kinds)
+        out_neg = any(k[2] for k in out_kinds)
+        born_nan = out_nan and not in_nan
+        born_inf = (out_pos or out_neg) and not (in_inf or in_nan)
+        if not (born_nan or born_inf) and func in _EMPTY_SET and out_neg and not out_nan and not in_nan \
+                and not any(k[1] for k in in_kinds):
+            born_inf = True   # -inf = log(sum of nothing): a slice of -inf only, an empty set
+        entered = not (born_nan or born_inf)
+        if entered and (trace.events or trace.entered is not None):
+            return
+        if entered and not out_nan and not out_pos and not any(k[0] or k[1] for k in in_kinds):
+            # -inf from a Python scalar (scalar_tensor(-inf), full(..., -inf)) or passed on from a -inf input (a
+            # causal mask added to the scores): an intended mask, never an origin
+            return
+
+        # the kind of the first output with a non-finite value (an op's scratch outputs, e.g. ctc_loss's
+        # uninitialised log_alpha, must not decide it)
+        bad_out, (b_nan, b_pos, b_neg) = next((t, k) for t, k in zip(outs, out_kinds) if any(k))
+        kind = "nan" if (born_nan or entered) and b_nan else ("inf" if b_pos and b_neg else ("+inf" if b_pos else
+                                                 "-inf" if b_neg else "nan"))
+        nonfinite = int((~torch.isfinite(bad_out)).sum().item())
+        samples: tuple[int, ...] = ()
+        if self.phase is Phase.FORWARD and self.batch_size and bad_out.dim() >= 1 \
+                and bad_out.shape[0] == self.batch_size:
+            # a NaN born next to intended -inf (a masked softmax) names the rows with the NaN
+            rows = (torch.isnan(bad_out.detach()) if kind == "nan" else ~torch.isfinite(bad_out.detach())) \
+                .reshape(bad_out.shape[0], -1).any(1)
+            samples = tuple(int(i) for i in rows.nonzero().flatten()[:8].tolist())
+        source = code = None
+        parameter = update_info = node_seq = None
+        if self.phase is Phase.FORWARD:
+            file, line, code = user_source_frame()
+            source = f"{file}:{line}" if file else None
+        elif self.phase is Phase.BACKWARD:
+            node = torch._C._current_autograd_node()
+            node_seq = node._sequence_nr() - self.base_seq if node is not None else None
+        elif self.phase is Phase.UPDATE:
+            # a foreach or fused op updates many parameters: the one named is the one whose tensor went
+            # non-finite (its index in the op's tensor lists), not the list's first
+            parameter, update_info = self._update_context(_same_index(bad_out, outs, (args, kwargs))
+                                                          + mutated + outs + inputs)
+            if parameter is None:   # a foreach op over temporaries (a denominator list): by position
+                param = self._param_at(bad_out, outs, (args, kwargs))
+                if param is not None:
+                    parameter, update_info = self._update_context([param])
+            if parameter is not None:
+                module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
+        if self.phase is Phase.FORWARD and not entered and not any(ev.phase is Phase.FORWARD for ev in trace.events):
+            self._flush_recent()          # the modules just before the origin, as they are now
+            self._origin_module = module  # and the origin's own module when it finishes
+        event = Event(
+            index=trace.ops_checked, phase=self.phase, module=module, op=op, node=node_name, kind=kind,
+            source=source, code=code, out_dtype=str(bad_out.dtype).replace("torch.", ""),
+            out_nonfinite=nonfinite, out_numel=bad_out.numel(), samples=samples,
+            inputs=[_tensor_stats(t) for t in inputs + mutated],
+            scalars=[_scalar(s) for s in scalars[:6]], occurrence=occ,
+            parameter=parameter, update_info=update_info, node_seq=node_seq,
+            micro=self.micro if self._micros > 1 else None)
+        if entered:
+            trace.entered = event
+        else:
+            trace.events.append(event)
+
+    def _node_name(self) -> str | None:
+        if self.phase is not Phase.BACKWARD:
+            return None
+        node = torch._C._current_autograd_node()
+        return node.name() if node is not None else None
+
+    def _node_label(self) -> str | None:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        if self.source_of_node is not None and self.trace.node_source is None \
+                and node._sequence_nr() - self.base_seq == self.source_of_node:
+            self.trace.node_source = _anomaly_source(node)
+        return self.node_labels.get(node)
+
+    def _module_for_op(self) -> str | None:
+        if self.phase is Phase.FORWARD:
+            return self.current_module()
+        if self.phase is Phase.BACKWARD:
+            label = self._node_label()
+            if label is not None:
+                return label
+            node = torch._C._current_autograd_node()
+            if node is not None and node.name() == "torch::autograd::AccumulateGrad":
+                var = getattr(node, "variable", None)
+                pname = self.param_names.get(id(var)) if var is not None else None
+                if pname:
+                    return pname.rsplit(".", 1)[0] if "." in pname else ""
+                return None
+            return LOSS_FN if node is not None else None  # created outside the model's modules
+        return None
+
+
+def _same_index(bad: torch.Tensor, outs: list[torch.Tensor], args: Any) -> list[torch.Tensor]:
+    """``bad`` and, where it is the i-th tensor of a foreach/fused op's tensor list, the i-th tensor of
+    every tensor list among the op's arguments (its parameter, gradient and optimizer state)."""
+    found = [bad]
+    lists = _tensor_lists(args)
+    for lst in [outs, *lists]:
+        i = next((k for k, t in enumerate(lst) if t is bad), None)
+        if i is None:
+            continue
+        found += [other[i] for other in lists if len(other) == len(lst) and other[i] is not bad]
+        break
+    return found
+
+
+def _tensor_lists(args: Any) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    for a in tree_flatten(args, is_leaf=lambda x: isinstance(x, (list, tuple)) and bool(x)
+                          and all(isinstance(t, torch.Tensor) for t in x))[0]:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+            out.append(list(a))
+    return out
+
+
+def _next_sequence_nr() -> int:
+    """The autograd sequence number the next node will get (creates one throwaway node)."""
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True).neg()
+    return probe.grad_fn._sequence_nr() + 1
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _anomaly_source(node: Any) -> tuple[str | None, str | None]:
+    """The innermost user frame of the forward stack anomaly mode recorded for a node."""
+    frames = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    for frame in reversed(frames or []):
+        m = _FRAME.search(frame)
+        if m and not _is_library_file(m.group("file")):
+            lines = frame.strip().splitlines()
+            return f"{short_path(m.group('file'))}:{m.group('line')}", (lines[1].strip() if len(lines) > 1 else None)
+    return None, None
+
+
+def _scalar(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else None
+    return x

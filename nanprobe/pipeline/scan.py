@@ -1,0 +1,671 @@
+"""`nanprobe scan-data` as a library call: iterate the target's batches (no training, no optimizer)
+and report every problem with its step, key path and sample indices, plus a per-key summary.
+
+Per batch: the checks of ``checks.py`` (non-finite, empty, beyond the precision's range, bad or
+all-ignored labels, fully masked rows) and two checks against running per-key statistics:
+
+* outliers: a robust z-score ``|x - median| / (1.4826 * MAD)`` of the batch's extreme values,
+  with median and MAD estimated on a random subsample of the key's batches. A batch is flagged
+  when its z-score exceeds ``scan.zscore`` and also ``scan.typical_factor`` times the key's
+  typical (median) batch z-score, so multi-scale or heavy-tailed keys do not warn on every
+  batch. The first ``scan.warmup_batches`` batches of a key are judged once that typical value
+  is known.
+* constant tensors: a key whose values vary in some batches but are all equal in another.
+
+Cost: every batch gets only the reductions its checks need (one or a few per tensor), read back
+with one device sync; mean/std and ignored/mask fractions come from every
+``scan.moments_every``-th batch of a key; details (counts, samples) are computed only for batches
+with a problem. Measured on CPU, an op that runs rarely costs ~10x an op that runs every batch
+(cold caches after the data loader's work), so rare work is kept rare: see ``_refresh_due``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..base.version import __version__
+from ..base.batch import clone_batch, iter_tensors, key_name
+from ..judge.checks import (BOOL, FLOAT, FLOAT_MASK, INT, LABEL, LOSS_MASK, MASK, PAD_MASK, WARNING_CODES, DataProblem, Leaf,
+                     Stats, _measure, is_ragged, leaf_problems, leaves, sample_rows, suspect)
+from ..base.config import Config, ScanConfig, load_config
+from ..reach.entry import Loaded, load_target
+from ..base.errors import EXIT_FOUND, EXIT_OK, UsageError
+from ..base.precision import Precision, describe_device, device_of, limits, parse_precision
+from ..reach.feed import DataEnd, Stream, epoch_length, is_callable_batches
+from ..base.report import SCHEMA, Status, _num
+from ..reach.state import borrows_globals
+from ..reach.target import Target
+
+_POOL_CHUNK = 256     # subsampled values a contributing batch adds to a key's reference pool
+_POOL_CHUNKS = 16     # chunks kept per key (the pool holds at most 4096 values)
+_REFRESH = 128        # batches 0, 2, 8, 32, then every 128th batch of a key refresh its median/MAD
+                      # (rarely run ops cost ~10x their warm time, measured: keep them rare)
+_Z_HISTORY = 256      # batch z-scores kept per key for its typical z-score
+
+
+def _refresh_due(batches: int) -> bool:
+    return batches % _REFRESH == 0 or batches in (2, 8, 32)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeySummary:
+    """Everything seen under one batch key path over the scan."""
+
+    key: str
+    role: str                      # float | float_mask | int | label | mask | loss_mask | bool | other
+    dtypes: tuple[str, ...]
+    batches: int                   # batches that held this key
+    shape_min: tuple[int, ...]     # per dimension over batches (ragged lists: over samples)
+    shape_max: tuple[int, ...]
+    ragged: bool
+    elements: int
+    min: float | None              # over finite values (labels: over non-ignored values)
+    max: float | None
+    mean: float | None             # mean, std and ignored_fraction: over the moment batches (see below)
+    std: float | None
+    nonfinite: int                 # non-finite elements
+    ignored_fraction: float | None  # labels: share equal to ignore_index; loss masks: share of zeros
+    moment_batches: int            # batches that fed mean/std/ignored_fraction (every scan.moments_every-th)
+    problems: dict[str, int]       # code -> batches with that problem
+
+    def to_json(self) -> dict[str, Any]:
+        integral = self.role not in (FLOAT, FLOAT_MASK)
+
+        def num(x):
+            if x is None:
+                return None
+            if integral and math.isfinite(x) and x == int(x):
+                return int(x)
+            return _num(x)
+
+        return {"role": self.role, "dtype": ", ".join(self.dtypes), "shape_min": list(self.shape_min),
+                "shape_max": list(self.shape_max), "ragged": self.ragged, "batches": self.batches,
+                "elements": self.elements, "min": num(self.min), "max": num(self.max), "mean": _num(self.mean),
+                "std": _num(self.std), "nonfinite": self.nonfinite, "ignored_fraction": _num(self.ignored_fraction),
+                "moment_batches": self.moment_batches, "problems": dict(self.problems)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScanResult:
+    entry: str
+    device: str
+    precision: str
+    batches_scanned: int
+    complete: bool                        # the data ran out (False: stopped at --limit)
+    problems: tuple[DataProblem, ...]     # by step, errors first; at most scan.max_problems
+    problems_total: int
+    summary: tuple[KeySummary, ...]       # keys in order of first appearance
+    num_classes: int | None
+    num_classes_source: str | None        # "--num-classes" | "target" | "model output width"
+    ignore_index: int
+    range_max: float | None               # largest finite value of the precision (fp16: 65504)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def errors(self) -> int:
+        return sum(s.problems.get(c, 0) for s in self.summary for c in s.problems if _is_error(c))
+
+    @property
+    def warnings(self) -> int:
+        return sum(n for s in self.summary for c, n in s.problems.items() if not _is_error(c))
+
+    @property
+    def status(self) -> Status:
+        return Status.NONFINITE if self.errors else Status.FINITE
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FOUND if self.errors else EXIT_OK
+
+    @property
+    def first_error_step(self) -> int | None:
+        steps = [p.step for p in self.problems if p.level == "error" and p.step is not None]
+        return min(steps) if steps else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA, "nanprobe": __version__, "command": "scan-data", "entry": self.entry,
+            "step": self.first_error_step, "status": self.status.value, "device": self.device,
+            "precision": self.precision, "batches_scanned": self.batches_scanned, "complete": self.complete,
+            "num_classes": self.num_classes, "num_classes_source": self.num_classes_source,
+            "ignore_index": self.ignore_index, "range_max": self.range_max,
+            "errors": self.errors, "warnings": self.warnings, "problems_total": self.problems_total,
+            "problems": [p.to_json() for p in self.problems],
+            "summary": {s.key: s.to_json() for s in self.summary},
+            "notes": list(self.notes),
+        }
+
+
+def _is_error(code: str) -> bool:
+    return code not in WARNING_CODES
+
+
+@dataclass(slots=True)
+class _Candidate:
+    step: int
+    leaf: Leaf
+    stats: Stats
+    median: float
+    scale: float
+    z: float
+
+
+@dataclass(slots=True)
+class _Key:
+    key: str
+    role: str
+    dtypes: list[str] = field(default_factory=list)
+    batches: int = 0
+    shape_min: list[int] | None = None
+    shape_max: list[int] | None = None
+    ragged: bool = False
+    last_shape: tuple | None = None
+    last_dtype: torch.dtype | None = None
+    elements: int = 0
+    n: int = 0                           # elements of the moment batches (finite ones)
+    sum: float = 0.0
+    sumsq: float = 0.0
+    moment_batches: int = 0
+    counted: int = 0                     # elements whose ignored status was counted
+    ignored: int = 0
+    min: float | None = None
+    max: float | None = None
+    nonfinite: int = 0
+    problems: Counter = field(default_factory=Counter)
+    # outliers
+    pool: deque = field(default_factory=lambda: deque(maxlen=_POOL_CHUNKS))
+    median: float | None = None
+    scale: float | None = None
+    zs: deque = field(default_factory=lambda: deque(maxlen=_Z_HISTORY))
+    judged: int = 0                      # batches with a z-score
+    candidates: list[_Candidate] = field(default_factory=list)
+    fill: int | None = None              # labels: a valid label seen (see Leaf.fill)
+    buffer: dict = field(default_factory=dict)   # labels: scratch tensors reused across batches
+    # constant
+    varied: bool = False
+    constant_steps: list[tuple[int, float, int]] = field(default_factory=list)
+
+    def summary(self) -> KeySummary:
+        mean = std = None
+        if self.n and self.role in (FLOAT, INT, MASK, PAD_MASK, LOSS_MASK, BOOL):
+            mean = self.sum / self.n
+            if self.role in (FLOAT, INT):
+                std = math.sqrt(max(self.sumsq / self.n - mean * mean, 0.0))
+            elif self.min is not None and self.min >= 0 and self.max <= 1:  # 0/1 masks
+                std = math.sqrt(max(mean * (1 - mean), 0.0))
+        return KeySummary(key=self.key, role=self.role, dtypes=tuple(self.dtypes), batches=self.batches,
+                          shape_min=tuple(self.shape_min or ()), shape_max=tuple(self.shape_max or ()),
+                          ragged=self.ragged, elements=self.elements, min=self.min, max=self.max, mean=mean,
+                          std=std, nonfinite=self.nonfinite,
+                          ignored_fraction=self.ignored / self.counted if self.counted else None,
+                          moment_batches=self.moment_batches, problems=dict(self.problems))
+
+
+class Scanner:
+    """Running per-key state over a stream of batches; ``add`` checks one batch."""
+
+    def __init__(self, cfg: ScanConfig, *, ignore_index: int = -100, num_classes: int | None = None,
+                 range_max: float | None = None):
+        self.cfg = cfg
+        self.ignore_index = ignore_index
+        self.num_classes = num_classes
+        self.range_max = range_max
+        self.moments_every = max(1, cfg.moments_every)   # 0 and 1: every batch
+        self.keys: dict[str, _Key] = {}
+        self.problems: list[DataProblem] = []
+        self.total = 0
+        self.batches = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # -- per batch --------------------------------------------------------------------------------
+    def add(self, step: int, batch: Any) -> None:
+        self._add(step, leaves(batch))
+        self.batches += 1
+
+    def _add(self, step: int, items: list[Leaf]) -> None:
+        extra: list[torch.Tensor] = []
+        refresh: list[tuple[_Key, int]] = []
+        states = []
+        for leaf in items:
+            ks = self.keys.get(leaf.key)
+            if ks is None:
+                ks = self.keys[leaf.key] = _Key(key=leaf.key, role=leaf.role)
+            states.append(ks)
+            leaf.moments = ks.batches % self.moments_every == 0
+            if leaf.role == LABEL:
+                leaf.fill = ks.fill
+                leaf.buffer = ks.buffer
+            elif leaf.role == INT:   # int64 sum of squares cannot overflow (x2 headroom on the values seen)
+                bound = max(abs(ks.min), abs(ks.max)) if ks.min is not None else None
+                leaf.small = bound is not None and (2 * bound + 1) ** 2 * leaf.tensor.numel() < 2 ** 62
+            elif leaf.role == FLOAT and leaf.tensor.numel() > 1 and _refresh_due(ks.batches):
+                refresh.append((ks, len(extra)))
+                extra += self._reference(ks, leaf.tensor)
+        stats, values = _measure(items, self.ignore_index, extra)
+        for ks, i in refresh:
+            median, mad, meanad = values[i:i + 3]
+            ks.median = median if math.isfinite(median) else None
+            scale = 1.4826 * mad if mad > 0 else 1.2533 * meanad   # MAD = 0: mean absolute deviation
+            ks.scale = scale if math.isfinite(scale) and scale > 0 else None
+        num_classes, range_max = self.num_classes, self.range_max
+        for leaf, st, ks in zip(items, stats, states):
+            found = ()
+            if suspect(leaf, st, num_classes, range_max):
+                found = leaf_problems(leaf, st, step=step, ignore_index=self.ignore_index, num_classes=num_classes,
+                                      range_max=range_max, max_examples=self.cfg.max_examples)
+                for p in found:
+                    self._record(ks, p)
+            self._update(ks, leaf, st)
+            role = leaf.role
+            if st.min is None:
+                continue
+            if role == FLOAT:
+                if st.n > 1:
+                    self._constant(ks, step, st)
+                if not found:   # an error already explains an extreme value
+                    self._outlier(ks, step, leaf, st)
+            elif role == INT:
+                if st.n > 1:
+                    self._constant(ks, step, st)
+            elif role == LABEL and ks.fill is None and not found:
+                ks.fill = self._valid_label(st)
+
+    def _valid_label(self, st: Stats) -> int | None:
+        for v in (st.min, st.max):
+            if v is not None and v >= 0 and (self.num_classes is None or v < self.num_classes):
+                return int(v)
+        return None
+
+    def _reference(self, ks: _Key, x: torch.Tensor) -> list[torch.Tensor]:
+        """Add a random subsample of ``x`` to the key's pool; median, MAD and mean |dev| as 0-dim tensors."""
+        flat = x.reshape(-1)
+        dtype = torch.float64 if x.dtype == torch.float64 and x.device.type != "mps" else torch.float32
+        if flat.numel() > _POOL_CHUNK:
+            gen = self._generators.get(x.device)
+            if gen is None:
+                gen = self._generators[x.device] = torch.Generator(device=x.device).manual_seed(0)
+            idx = torch.randint(flat.numel(), (_POOL_CHUNK,), generator=gen, device=x.device)
+            sub = flat[idx].to(dtype)
+        else:
+            sub = flat.to(dtype, copy=True)
+        sub = torch.add(sub - sub, sub)   # x - x + x is x for finite x and NaN for NaN/inf (nanmedian skips them)
+        ks.pool.append(sub)
+        pool = torch.cat(list(ks.pool)) if len(ks.pool) > 1 else sub
+        median = pool.nanmedian()
+        dev = (pool - median).abs()
+        return [median, dev.nanmedian(), dev.nanmean()]
+
+    def _update(self, ks: _Key, leaf: Leaf, st: Stats) -> None:
+        ks.batches += 1
+        dtype = leaf.tensor.dtype
+        if dtype is not ks.last_dtype:
+            ks.last_dtype = dtype
+            name = str(dtype).removeprefix("torch.")
+            if name not in ks.dtypes:
+                ks.dtypes.append(name)
+        if leaf.shape == ks.last_shape and not leaf.ragged:
+            pass
+        elif ks.shape_min is None:
+            ks.shape_min, ks.shape_max = list(leaf.shape_min), list(leaf.shape)
+        elif len(ks.shape_min) == len(leaf.shape):
+            ks.shape_min = [min(a, b) for a, b in zip(ks.shape_min, leaf.shape_min)]
+            ks.shape_max = [max(a, b) for a, b in zip(ks.shape_max, leaf.shape)]
+        elif len(leaf.shape) > len(ks.shape_max):   # rank changed: keep the larger rank as max
+            ks.shape_max = list(leaf.shape)
+        ks.last_shape = leaf.shape
+        ks.ragged = ks.ragged or leaf.ragged
+        ks.elements += st.n + st.nonfinite
+        ks.nonfinite += st.nonfinite
+        if st.ignored is not None and st.moments:   # a fraction over the moment batches only (unbiased)
+            ks.ignored += st.ignored
+            ks.counted += st.n
+        if st.min is not None:
+            ks.min = st.min if ks.min is None else min(ks.min, st.min)
+        if st.max is not None and not math.isnan(st.max):
+            ks.max = st.max if ks.max is None else max(ks.max, st.max)
+        if st.moments:
+            ks.moment_batches += 1
+            if st.sum is not None and st.n:
+                ks.n += st.n
+                ks.sum += st.sum
+                ks.sumsq += st.sumsq or 0.0
+
+    def _record(self, ks: _Key, p: DataProblem) -> None:
+        ks.problems[p.code] += 1
+        self.total += 1
+        if len(self.problems) < self.cfg.max_problems:
+            self.problems.append(p)
+
+    # -- checks against running statistics ---------------------------------------------------------
+    def _constant(self, ks: _Key, step: int, st: Stats) -> None:
+        if st.min == st.max:
+            if ks.varied:
+                self._record(ks, self._constant_problem(ks, step, st.min, st.n))
+            else:
+                ks.constant_steps.append((step, st.min, st.n))
+        elif not ks.varied:
+            ks.varied = True
+            for s, value, n in ks.constant_steps:   # constant before the key was seen to vary
+                self._record(ks, self._constant_problem(ks, s, value, n))
+            ks.constant_steps.clear()
+
+    @staticmethod
+    def _constant_problem(ks: _Key, step: int, value: float, n: int) -> DataProblem:
+        return DataProblem(code="constant", level="warning", step=step, key=ks.key, count=n, samples=(),
+                           value=value, message=f"{ks.key} is constant ({value:g} in all {n} values) while it "
+                                                "varies in other batches")
+
+    def _outlier(self, ks: _Key, step: int, leaf: Leaf, st: Stats) -> None:
+        if ks.median is None or ks.scale is None:
+            return
+        z = max(st.max - ks.median, ks.median - st.min) / ks.scale
+        if not math.isfinite(z):
+            return
+        ks.zs.append(z)
+        ks.judged += 1
+        warm = self.cfg.warmup_batches
+        if ks.judged <= warm:
+            if z > self.cfg.zscore:   # judged once the key's typical z-score is known
+                ks.candidates.append(_Candidate(step=step, leaf=leaf, stats=st, median=ks.median,
+                                                scale=ks.scale, z=z))
+            if ks.judged == warm:
+                self._judge(ks)
+            return
+        if z > self.cfg.zscore and z > (limit := self._limit(ks)):
+            self._record(ks, self._outlier_problem(ks, step, leaf, st, ks.median, ks.scale, z, limit))
+
+    def _limit(self, ks: _Key) -> float:
+        return max(self.cfg.zscore, self.cfg.typical_factor * statistics.median(ks.zs))
+
+    def _judge(self, ks: _Key) -> None:
+        if ks.candidates:
+            limit = self._limit(ks)
+            for c in ks.candidates:
+                if c.z > limit:
+                    self._record(ks, self._outlier_problem(ks, c.step, c.leaf, c.stats, c.median, c.scale, c.z,
+                                                           limit))
+        ks.candidates = []
+
+    def _outlier_problem(self, ks: _Key, step: int, leaf: Leaf, st: Stats, median: float, scale: float, z: float,
+                         limit: float) -> DataProblem:
+        x = leaf.tensor
+        bad = torch.isfinite(x) & ((x - median).abs() > limit * scale)
+        count = int(bad.sum())
+        value = st.max if st.max - median >= median - st.min else st.min
+        return DataProblem(code="outlier", level="warning", step=step, key=ks.key, count=count,
+                           samples=sample_rows(leaf, bad, self.cfg.max_examples), value=value,
+                           message=f"{ks.key} holds {count} extreme value(s) (e.g. {value:g}, robust z-score "
+                                   f"{z:.0f} vs median {median:.4g}, scale {scale:.3g}; limit {limit:.3g})")
+
+    def drop(self, step: int, code: str) -> int:
+        """Withdraw the problems of one code at one step (e.g. after discarding an inferred num_classes)."""
+        keep = [p for p in self.problems if not (p.step == step and p.code == code)]
+        dropped = [p for p in self.problems if p.step == step and p.code == code]
+        for p in dropped:
+            ks = self.keys[p.key]
+            ks.problems[p.code] -= 1
+            if not ks.problems[p.code]:
+                del ks.problems[p.code]
+        self.problems = keep
+        self.total -= len(dropped)
+        return len(dropped)
+
+    def finish(self) -> None:
+        for ks in self.keys.values():
+            if ks.candidates:
+                self._judge(ks)
+        self.problems.sort(key=lambda p: (p.step if p.step is not None else -1, p.level != "error"))
+
+
+# -- num_classes from the model -------------------------------------------------------------------
+class _Stop(BaseException):
+    """Raised from the model's forward hook: the loss is never computed (no CUDA asserts on bad labels)."""
+
+
+def infer_num_classes(target: Target, batch: Any) -> int | None:
+    """The model's output width from one forward pass on ``batch`` (eval mode, no grad), or None.
+
+    The forward hook stops ``loss_fn`` right after the model's forward, so the loss (which
+    could hit a device-side assert on a bad label) never runs. Train/eval flags and RNG states are
+    restored; any failure means "unknown".
+    """
+    model = target.model
+    modes = [(m, m.training) for m in model.modules()]
+    captured: list[Any] = []
+
+    def hook(module, args, output):
+        captured.append(output)
+        raise _Stop
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    handle = model.register_forward_hook(hook)
+    try:
+        model.eval()
+        with torch.no_grad():
+            target.loss_fn(model, first_sample(batch))
+    except _Stop:
+        pass
+    except Exception:  # noqa: BLE001 - inference is best effort; the scan goes on without it
+        return None
+    finally:
+        handle.remove()
+        model.train(modes[0][1])
+        for m, mode in modes:
+            m.training = mode
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    if not captured:
+        return None
+    outs = list(iter_tensors(captured[0], "output"))
+    named = [t for k, t in outs if "logit" in key_name(k).lower()]
+    for t in named + [t for _, t in outs]:
+        if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= 2:
+            return int(t.shape[-1])
+    return None
+
+
+def first_sample(batch: Any) -> Any:
+    """A copy of ``batch`` cut to its first sample: tensors whose dim 0 is the batch size keep
+    one row, ragged lists keep their first element, everything else is kept (cloned)."""
+    sizes = Counter(t.shape[0] for _, t in iter_tensors(batch) if t.dim() >= 1)
+    if not sizes:
+        return clone_batch(batch)
+    size = sizes.most_common(1)[0][0]
+
+    def cut(obj: Any, top: bool) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj[:1].clone() if obj.dim() >= 1 and obj.shape[0] == size else obj.clone()
+        if isinstance(obj, Mapping):
+            items = {k: cut(v, False) for k, v in obj.items()}
+            return items if type(obj) is dict else type(obj)(items)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.replace(obj, **{f.name: cut(getattr(obj, f.name), False)
+                                               for f in dataclasses.fields(obj) if f.init})
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(cut(v, False) for v in obj))
+        if isinstance(obj, (list, tuple)):
+            if is_ragged(obj, top):
+                return type(obj)(v.clone() for v in obj[:1])
+            return type(obj)(cut(v, False) for v in obj)
+        return obj
+
+    return cut(batch, True)
+
+
+# -- the library call -----------------------------------------------------------------------------
+def _loaded(entry_or_loaded: str | Loaded | Target) -> Loaded:
+    if isinstance(entry_or_loaded, Loaded):
+        return entry_or_loaded
+    if isinstance(entry_or_loaded, Target):
+        return Loaded(target=entry_or_loaded, entry="(Target)", module="", function="", path=None, lineno=None)
+    return load_target(entry_or_loaded)
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@borrows_globals
+def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = None,
+              precision: str | Precision | None = None, num_classes: int | None = None,
+              config: Config | None = None,
+              on_progress: Callable[[int, int | None, int], None] | None = None) -> ScanResult:
+    """Check every batch of a target (step k = the k-th batch, as in training) without training.
+
+    ``on_progress(batches_done, total_or_None, problems_found)`` is called after each batch.
+    """
+    cfg = config or load_config()
+    scfg = cfg.scan
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise UsageError(f"--limit {limit} is negative", "--limit", "Give a number of batches >= 0")
+    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
+                                    or num_classes <= 0):
+        raise UsageError(f"--num-classes {num_classes} is not a positive integer", "--num-classes",
+                         "Give the number of classes of the model's output, e.g. --num-classes 10")
+    loaded = _loaded(entry_or_loaded)
+    target = loaded.target
+    try:
+        prec = parse_precision(precision, default=target.precision)
+    except ValueError:
+        raise UsageError(f"unknown precision {precision!r}", "--precision", "Use one of: fp32, bf16, fp16") from None
+    range_max = limits(prec.dtype).max if prec.low else None
+    ignore_index = target.ignore_index if target.ignore_index != -100 else scfg.ignore_index
+    source = None
+    if num_classes is not None:
+        source = "--num-classes"
+    elif target.num_classes is not None:
+        num_classes, source = target.num_classes, "target"
+    notes: list[str] = []
+    is_callable = is_callable_batches(target.batches)
+    per_epoch = epoch_length(target.batches)
+    if is_callable and limit is None:
+        limit = scfg.callable_batches
+        notes.append(f"batches is a callable: scanned batches(0) .. batches({limit - 1}) at most "
+                     "(scan.callable_batches); pass --limit to change")
+    elif limit is None and per_epoch is None:   # it may never end
+        limit = scfg.callable_batches
+        notes.append(f"batches has no length (it may be endless): scanned its first {limit} batches at most "
+                     "(scan.callable_batches); pass --limit to change")
+    total = per_epoch * target.epochs if per_epoch is not None else None
+    if limit is not None:
+        total = limit if total is None else min(total, limit)
+    stream = Stream(target, record=False)
+    scanner = Scanner(scfg, ignore_index=ignore_index, num_classes=num_classes, range_max=range_max)
+    device = None
+    scanned = 0
+    at_limit = False
+    draws = False           # does fetching a batch draw from the global torch RNG?
+    while True:
+        if limit is not None and scanned >= limit:
+            at_limit = True
+            break
+        rng_before = torch.get_rng_state() if not draws and scanned < 64 else None
+        try:
+            feed = stream.open(stream.next_step)   # fetches the step's first batch
+        except DataEnd:
+            break
+        # an epoch's first fetch draws in training too (iter() of a DataLoader: its base seed), at the
+        # same point; only draws on later fetches interleave with what training draws
+        if rng_before is not None and feed.position.index != 0 and not torch.equal(rng_before, torch.get_rng_state()):
+            draws = True
+        k = feed.step
+        j = 0
+        while True:
+            if limit is not None and scanned >= limit:
+                at_limit = True
+                break
+            rng_before = torch.get_rng_state() if not draws and j > 0 and scanned < 64 else None
+            batch = feed.get(j)
+            if batch is None:
+                break
+            if rng_before is not None and not torch.equal(rng_before, torch.get_rng_state()):
+                draws = True
+            if scanned == 0:
+                device = next((t.device for _, t in iter_tensors(batch)), None)
+                if num_classes is None and scfg.infer_num_classes and _has_labels(batch) \
+                        and _params(target.model) <= scfg.infer_max_params:
+                    inferred = infer_num_classes(target, batch)
+                    if inferred is not None:
+                        num_classes, source = inferred, "model output width"
+                        scanner.num_classes = inferred
+            before = len(scanner.problems)
+            scanner.add(k, batch)
+            if target.accumulate > 1:
+                scanner.problems[before:] = [dataclasses.replace(p, micro=j) if p.step == k and p.micro is None
+                                             else p for p in scanner.problems[before:]]
+            if scanned == 0 and source == "model output width":
+                _check_inferred(scanner, notes)
+                if scanner.num_classes is None:
+                    num_classes = source = None
+            scanned += 1
+            j += 1
+            if on_progress is not None:
+                on_progress(scanned, total, scanner.total)
+        if at_limit:
+            break
+    step = scanned
+    if stream.end_note and is_callable:
+        notes.append(stream.end_note)
+    if draws:
+        notes.append("fetching batches draws from the global torch RNG (random sampling, a shuffle seed or random "
+                     "transforms in this process): training interleaves those draws with its own (dropout, noise), "
+                     "so past the first draws scan-data's batches can differ from training's; `nanprobe run` "
+                     "replays training's exact batches")
+    elif target.epochs > 1 and not is_callable and _shuffles_from_global_rng(target.batches):
+        notes.append("epochs after the first are shuffled from the global RNG state that training leaves; "
+                     "scan-data does not train, so their batch order can differ from training (nanprobe run "
+                     "replays the exact order)")
+    complete = not at_limit or (not is_callable and _exhausted(target, step))
+    scanner.finish()
+    if step == 0:
+        raise UsageError("batches yielded no batch: nothing was checked", loaded.where,
+                         "Give the target at least one batch")
+    device = device or device_of(target.model)
+    return ScanResult(entry=loaded.entry, device=describe_device(device), precision=prec.value,
+                      batches_scanned=step, complete=complete, problems=tuple(scanner.problems),
+                      problems_total=scanner.total, summary=tuple(k.summary() for k in scanner.keys.values()),
+                      num_classes=num_classes, num_classes_source=source, ignore_index=ignore_index,
+                      range_max=range_max, notes=tuple(notes))
+
+
+def _shuffles_from_global_rng(batches: Any) -> bool:
+    """A DataLoader whose order (sampler seed) or worker seeds come from the global torch RNG."""
+    sampler = getattr(batches, "sampler", None)
+    bs = getattr(getattr(batches, "batch_sampler", None), "sampler", None)
+    for smp in (sampler, bs):
+        if smp is not None and type(smp).__name__ == "RandomSampler" and getattr(smp, "generator", None) is None:
+            return True
+    return False
+
+
+def _exhausted(target: Target, limit: int) -> bool:
+    """A sized iterable of exactly ``limit`` batches (over all epochs) was read to its end."""
+    n = epoch_length(target.batches)
+    return n is not None and n * target.epochs <= limit
+
+
+def _has_labels(batch: Any) -> bool:
+    return any(leaf.role == LABEL for leaf in leaves(batch))
+
+
+def _check_inferred(scanner: Scanner, notes: list[str]) -> None:
+    """An output width that most labels of the first batch exceed is not the number of classes
+    (e.g. the model returns hidden states and loss_fn applies the head): drop it."""
+    bad = sum(p.count for p in scanner.problems if p.step == 0 and p.code == "label_out_of_range")
+    labelled = sum(ks.counted - ks.ignored for ks in scanner.keys.values() if ks.role == LABEL)
+    if bad and bad > 0.01 * max(labelled, 1):
+        width = scanner.num_classes
+        scanner.drop(0, "label_out_of_range")
+        scanner.num_classes = None
+        notes.append(f"the model's output width {width} is below {bad} of {labelled} labels in the first batch, so "
+                     "it is not the number of classes; pass --num-classes to check label range")

@@ -1,0 +1,753 @@
+"""The training state nanprobe captures and puts back exactly.
+
+A :class:`Snapshot` holds everything one training step reads besides its batch: parameters and
+buffers (non-persistent ones too), every optimizer, LR scheduler and GradScaler, the RNG streams
+(torch, CUDA, Python ``random``, numpy), the thread count, each module's train/eval flag, tensors
+kept as plain module attributes (an RNN's ``self.hidden``), and what the user's step function
+keeps between calls (closure variables such as a carried hidden state or a step counter; the
+attributes of the object a bound method belongs to). Restoring writes values back into the
+user's own objects, in place where the layout allows: the identity of parameters, optimizer
+state tensors and ``param_groups`` dicts never changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import random
+import sys
+import types
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from .store import Slot, TensorStore, choose_mode
+
+# -- RNG streams --------------------------------------------------------------------------------------
+
+HOST_PROBES_AT_START = 3   # first steps on which Python/numpy RNG use is probed
+HOST_PROBE_EVERY = 100     # ... and then every this many steps
+
+
+def capture_rng(device_type: str, *, host: bool = True) -> dict[str, Any]:
+    """The RNG states now: torch (and every CUDA device when the run is on CUDA); Python's
+    ``random`` and numpy's global state with ``host`` (they cost ~10 and ~60 us; torch's ~1 us)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if device_type == "cuda" and torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if host:
+        state["python"] = random.getstate()
+        np = sys.modules.get("numpy")
+        if np is not None:
+            state["numpy"] = np.random.get_state()
+    return state
+
+
+def set_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` took (streams it did not take are left alone)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+def same_host_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.get("python") != b.get("python"):
+        return False
+    x, y = a.get("numpy"), b.get("numpy")
+    if x is None or y is None:
+        return x is y
+    return x[0] == y[0] and x[2:] == y[2:] and bool((x[1] == y[1]).all())
+
+
+class RngTracker:
+    """Which RNG streams are worth copying at each capture point.
+
+    torch's (and CUDA's) state is always copied. Python's and numpy's are copied on probe steps
+    (the first few, then every 100th); once a probe sees a step change them, on every step.
+    Where they were not copied, their state at any later moment of the step equals the state at
+    its start, because nothing drew from them.
+    """
+
+    def __init__(self, device_type: str, mode: str = "auto"):
+        self.device_type = device_type
+        self.mode = mode
+        self.host_used = mode == "all"
+        self._steps = 0
+        self._probe_start: dict[str, Any] | None = None
+
+    def begin_step(self) -> None:
+        probing = self.mode == "auto" and not self.host_used and (
+            self._steps < HOST_PROBES_AT_START or self._steps % HOST_PROBE_EVERY == 0)
+        self._probe_start = capture_rng("cpu", host=True) if probing else None
+        self._steps += 1
+
+    def end_step(self) -> None:
+        if self._probe_start is not None and not same_host_rng(self._probe_start, capture_rng("cpu", host=True)):
+            self.host_used = True
+        self._probe_start = None
+
+    def capture(self) -> dict[str, Any]:
+        return capture_rng(self.device_type, host=self.host_used or self._probe_start is not None)
+
+
+# -- state kept outside parameters, buffers and optimizers --------------------------------------------
+
+_NOT_STATE = object()
+_MODULE_INTERNALS = frozenset({"training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
+                               "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+                               "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+                               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                               "_load_state_dict_post_hooks"})
+
+
+def _value(v: Any, depth: int = 0) -> Any:
+    """A restorable copy of a value a step keeps between calls, or _NOT_STATE.
+
+    Tensors are kept by reference with their version counter: steps rebind carried state
+    (``hidden = hidden.detach()``), which a reference restores; an in-place change shows in the
+    version counter and is reported instead of silently restored wrong.
+    """
+    if v is None or isinstance(v, (bool, int, float, str, complex)):
+        return v
+    if isinstance(v, torch.Tensor):
+        return _TensorRef(v)
+    if depth < 2 and isinstance(v, (tuple, list)):
+        items = [_value(x, depth + 1) for x in v]
+        if any(x is _NOT_STATE for x in items):
+            return _NOT_STATE
+        return _Container(type(v), items)
+    if depth < 2 and type(v) is dict:
+        items = {k: _value(x, depth + 1) for k, x in v.items()}
+        if any(x is _NOT_STATE for x in items.values()):
+            return _NOT_STATE
+        return _Container(dict, items)
+    return _NOT_STATE
+
+
+@dataclass(slots=True)
+class _TensorRef:
+    tensor: torch.Tensor
+    version: int = -1
+
+    def __post_init__(self):
+        self.version = self.tensor._version
+
+    def get(self) -> Any:
+        return self.tensor
+
+    @property
+    def changed_in_place(self) -> bool:
+        return self.tensor._version != self.version
+
+
+@dataclass(slots=True)
+class _Container:
+    kind: type
+    items: Any
+
+    def get(self) -> Any:
+        if self.kind is dict:
+            return {k: _get(v) for k, v in self.items.items()}
+        values = [_get(v) for v in self.items]
+        return values if self.kind is list else (self.kind(values) if self.kind is tuple else self.kind(*values))
+
+    def refs(self) -> Iterable[_TensorRef]:
+        for v in (self.items.values() if self.kind is dict else self.items):
+            if isinstance(v, _TensorRef):
+                yield v
+            elif isinstance(v, _Container):
+                yield from v.refs()
+
+
+def _get(v: Any) -> Any:
+    return v.get() if isinstance(v, (_TensorRef, _Container)) else v
+
+
+def _refs(v: Any) -> Iterable[_TensorRef]:
+    if isinstance(v, _TensorRef):
+        yield v
+    elif isinstance(v, _Container):
+        yield from v.refs()
+
+
+def module_tensor_attrs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+    """Tensors (or tuples of them, or None) kept as plain attributes of modules: ``(module, attr, name)``."""
+    out = []
+    for qual, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k in _MODULE_INTERNALS or k.startswith("__"):
+                continue
+            # None too: state a forward sets later (self.hidden = None until the first step)
+            if v is None or isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and v
+                                                            and all(isinstance(x, torch.Tensor) for x in v)):
+                out.append((m, k, f"{qual}.{k}" if qual else k))
+    return out
+
+
+def _callable_holders(fn: Any) -> list[tuple[str, Any, str]]:
+    """Where a step function keeps state between calls: ``(kind, holder, key)`` with kind "cell"
+    (a closure variable) or "attr" (an attribute of the object a bound method or callable object is)."""
+    out: list[tuple[str, Any, str]] = []
+    seen: set[int] = set()
+
+    def visit(f: Any, depth: int) -> None:
+        if f is None or id(f) in seen or depth > 2:
+            return
+        seen.add(id(f))
+        if isinstance(f, types.MethodType):
+            visit(f.__func__, depth)
+            owner = f.__self__
+            # module attributes are covered by module_tensor_attrs
+            if not isinstance(owner, torch.nn.Module) and hasattr(owner, "__dict__"):
+                out.extend(("attr", owner, k) for k in vars(owner) if not k.startswith("__"))
+            return
+        if isinstance(f, types.FunctionType):
+            names = f.__code__.co_freevars
+            for name, cell in zip(names, f.__closure__ or ()):
+                out.append(("cell", cell, name))
+                try:
+                    inner = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(inner, (types.FunctionType, types.MethodType)):
+                    visit(inner, depth + 1)   # a helper closure the step calls
+            return
+        if callable(f) and hasattr(f, "__dict__") and not isinstance(f, (type, torch.nn.Module)):
+            out.extend(("attr", f, k) for k in vars(f) if not k.startswith("__"))
+            visit(getattr(type(f), "__call__", None), depth + 1)
+
+    visit(fn, 0)
+    return out
+
+
+@dataclass(slots=True)
+class _Held:
+    kind: str
+    holder: Any
+    key: str
+    value: Any      # _value(...) result
+
+    def restore(self) -> None:
+        v = _get(self.value)
+        if self.kind == "cell":
+            self.holder.cell_contents = v
+        else:
+            setattr(self.holder, self.key, v)
+
+
+def capture_user_state(fns: Iterable[Any], owned: Iterable[torch.Tensor] = ()) -> list[_Held]:
+    """The state the step functions keep between calls. ``owned``: tensors the snapshot already holds
+    (the weights, their master copies): a closure variable holding only those is the same objects, not
+    state of its own (a capsule must not replace the optimizer's master copies with copies of them)."""
+    held: list[_Held] = []
+    mine = {id(t) for t in owned}
+    for fn in fns:
+        for kind, holder, key in _callable_holders(fn):
+            try:
+                raw = holder.cell_contents if kind == "cell" else getattr(holder, key)
+            except (ValueError, AttributeError):
+                continue
+            if mine and _only_owned(raw, mine):
+                continue
+            v = _value(raw)
+            if v is not _NOT_STATE:
+                held.append(_Held(kind, holder, key, v))
+    return held
+
+
+def _only_owned(value: Any, owned: set[int]) -> bool:
+    if isinstance(value, torch.Tensor):
+        return id(value) in owned
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, torch.Tensor) and id(v) in owned for v in value)
+    return False
+
+
+# -- the snapshot --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoragePolicy:
+    """Where snapshots keep their tensors (``replay.snapshot_store`` etc. in the config)."""
+
+    mode: str = "auto"             # auto | device | host | disk
+    memory_mb: float = 32.0        # auto: states up to this size stay on the device
+    directory: str | None = None   # disk: folder for the snapshot file (None: the system's temp folder)
+
+    def new_store(self, device_type: str, nbytes: int) -> TensorStore:
+        """An empty store for ``nbytes`` of tensors from ``device_type``, where this policy puts them."""
+        return TensorStore(choose_mode(self.mode, device_type, nbytes, self.memory_mb), self.directory)
+
+
+def _state_tensors(opt: torch.optim.Optimizer) -> list[tuple[int, Any, torch.Tensor]]:
+    """``(param index, key, tensor)`` for every tensor of the optimizer's per-parameter state."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    out = []
+    for p, st in opt.state.items():
+        i = index.get(id(p))
+        if i is None:
+            continue
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out.append((i, k, v))
+    return out
+
+
+def _optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's per-parameter state and groups, with every tensor left out (stored apart)."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = {}
+    for p, st in opt.state.items():
+        i = index.get(id(p))
+        if i is not None:
+            state[i] = {k: (None if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
+    groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+               for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def _want_dtype(p: torch.Tensor, key: Any, slot: Slot) -> torch.dtype:
+    """torch's rule in Optimizer.load_state_dict: floating state follows the parameter's dtype,
+    ``step`` keeps its own."""
+    if key != "step" and slot.dtype.is_floating_point and p.is_floating_point():
+        return p.dtype
+    return slot.dtype
+
+
+def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
+                       slots: dict[tuple[int, Any], Slot]) -> None:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        want = layout["state"].get(i)
+        have = opt.state.get(p)
+        if want is None:
+            if have:
+                opt.state.pop(p, None)
+            continue
+        fits = have is not None and have.keys() == want.keys()
+        if fits:
+            for k in want:
+                slot = slots.get((i, k))
+                cur = have[k]
+                if slot is not None:
+                    if not (isinstance(cur, torch.Tensor) and cur.shape == slot.shape and cur.device == slot.device
+                            and cur.dtype == _want_dtype(p, k, slot)):
+                        fits = False
+                        break
+        if fits:
+            for k, v in want.items():
+                slot = slots.get((i, k))
+                if slot is not None:
+                    slot.copy_into(have[k])
+                else:
+                    have[k] = copy.deepcopy(v)
+        else:
+            new = {}
+            for k, v in want.items():
+                slot = slots.get((i, k))
+                if slot is None:
+                    new[k] = copy.deepcopy(v)
+                    continue
+                new[k] = slot.load().to(dtype=_want_dtype(p, k, slot))
+            opt.state[p] = new
+    for group, want in zip(opt.param_groups, layout["groups"]):
+        for k, v in want.items():
+            cur = group.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                with torch.no_grad():
+                    cur.copy_(v)
+            else:
+                group[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k in [k for k in group if k != "params" and k not in want]:
+            del group[k]
+
+
+def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any],
+                             groups: list[list[torch.Tensor]]) -> None:
+    """The param groups as they were (the same parameter objects in each): groups a step added since are
+    dropped, groups it removed come back with their saved hyper-parameters."""
+    have = opt.param_groups
+    if len(have) == len(groups) and all(len(g["params"]) == len(ps) and all(a is b for a, b in zip(g["params"], ps))
+                                        for g, ps in zip(have, groups)):
+        return
+    rebuilt = []
+    for i, ps in enumerate(groups):
+        g = have[i] if i < len(have) else {k: copy.deepcopy(v) for k, v in layout["groups"][i].items()}
+        g["params"] = list(ps)
+        rebuilt.append(g)
+    opt.param_groups[:] = rebuilt
+    keep = {id(p) for ps in groups for p in ps}
+    for p in [p for p in opt.state if id(p) not in keep]:
+        del opt.state[p]
+
+
+def _restore_groups_only(opt: torch.optim.Optimizer, layout: dict[str, Any]) -> None:
+    """Put back each param group's hyper-parameters (a step may set the LR by hand)."""
+    for group, want in zip(opt.param_groups, layout["groups"]):
+        for k, v in want.items():
+            if not isinstance(v, torch.Tensor):
+                group[k] = copy.deepcopy(v)
+
+
+def _versions(objects: Objects) -> list[tuple[torch.Tensor, int, int, torch.dtype]]:
+    """Parameters and optimizer state tensors with their version counter, data pointer and dtype:
+    equal lists mean nothing wrote to them (an in-place write bumps the version)."""
+    out = []
+    for p in [*objects.model.parameters(), *(m for _, m in objects.masters)]:
+        out.append((p, p._version, p.data_ptr(), p.dtype))
+    for _, opt in objects.optimizers:
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    out.append((v, v._version, v.data_ptr(), v.dtype))
+    return out
+
+
+class SavedModel(Mapping):
+    """A snapshot's parameters and buffers by qualified name; each is read from the store on access."""
+
+    def __init__(self, entries: list[tuple[str, torch.Tensor, Slot]]):
+        self._slots = {name: slot for name, _, slot in entries}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._slots[name].load()
+
+    def __iter__(self):
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def slot(self, name: str) -> Slot:
+        return self._slots[name]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything a step reads besides its batch, at one moment; restorable exactly (see module doc)."""
+
+    tensors: list[tuple[str, torch.Tensor, Slot]]   # (name, live parameter/buffer, its saved copy)
+    optimizers: list[dict[str, Any]]                 # layouts (tensors in ``opt_slots``)
+    opt_slots: list[dict[tuple[int, Any], Slot]]
+    schedulers: list[dict[str, Any] | None]
+    scalers: list[dict[str, Any]]
+    rng: dict[str, Any]
+    threads: int
+    flags: list[tuple[torch.nn.Module, bool]]
+    attrs: list[tuple[torch.nn.Module, str, Any, str]]   # (module, attribute, saved value, qualified name)
+    user: list[_Held] = field(default_factory=list)
+    store: TensorStore | None = None
+    clean: list[tuple[torch.Tensor, int, int, torch.dtype]] | None = None   # after the last full restore
+    # each optimizer's param groups (the parameter objects): a step may add a group (gradual unfreezing:
+    # optimizer.add_param_group) or flip requires_grad, and a restore puts both back
+    groups: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    trainable: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
+
+    @property
+    def model(self) -> SavedModel:
+        """The saved parameters and buffers by qualified name (read on access)."""
+        return SavedModel(self.tensors)
+
+    @property
+    def storage(self) -> str:
+        return self.store.mode if self.store is not None else "device"
+
+    def changed_in_place(self) -> list[str]:
+        """Names of carried tensors (closure variables, module attributes) the step changed in place."""
+        out = []
+        for h in self.user:
+            if any(r.changed_in_place for r in _refs(h.value)):
+                out.append(h.key)
+        for _, _, v, qual in self.attrs:
+            if any(r.changed_in_place for r in _refs(v)):
+                out.append(qual)
+        return out
+
+    def carried(self) -> dict[str, Any]:
+        """The state the step keeps between calls, by name (for a capsule): module attributes by
+        qualified name, closure variables by name, attributes of the step's owner object."""
+        cells, owner = {}, {}
+        for h in self.user:
+            (cells if h.kind == "cell" else owner)[h.key] = _get(h.value)
+        return {"attrs": {qual: _get(v) for _, _, v, qual in self.attrs}, "cells": cells, "owner": owner}
+
+    def restore(self, objects: Objects, *, partial_ok: bool = False) -> None:
+        """Write the saved state back into the user's objects (the same objects it was taken from).
+
+        ``partial_ok``: when no parameter and no optimizer state tensor changed since the last full
+        restore (their version counters, pointers and dtypes say so: a step stopped before its
+        update), only the parts a forward and backward pass change are written back (buffers, RNG,
+        flags, carried state, LR groups, schedulers, GradScalers) and gradients are dropped.
+        """
+        for (_, opt), layout, groups in zip(objects.optimizers, self.optimizers, self.groups):
+            _restore_group_structure(opt, layout, groups)
+        for p, flag in self.trainable:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
+        full = not (partial_ok and self._untouched(objects))
+        params = set() if full else {id(p) for p in objects.model.parameters()}
+        with torch.no_grad():
+            for _, live, slot in self.tensors:
+                if id(live) in params:
+                    continue
+                if live.shape == slot.shape:
+                    slot.copy_into(live)
+                else:  # a parameter the step resized (rare): rebind its data
+                    live.data = slot.load().to(live.dtype)
+        if full:
+            for (_, opt), layout, slots in zip(objects.optimizers, self.optimizers, self.opt_slots):
+                _restore_optimizer(opt, layout, slots)
+        else:
+            for (_, opt), layout in zip(objects.optimizers, self.optimizers):
+                _restore_groups_only(opt, layout)
+            for p in objects.model.parameters():
+                p.grad = None
+            for _, m in objects.masters:
+                m.grad = None
+        for (_, sched), saved in zip(objects.schedulers, self.schedulers):
+            if saved is not None:
+                sched.load_state_dict(copy.deepcopy(saved))
+        for (_, scaler), saved in zip(objects.scalers(), self.scalers):
+            _restore_scaler(scaler, saved)
+        for m, flag in self.flags:
+            m.training = flag
+        for m, name, v, _ in self.attrs:
+            setattr(m, name, _get(v))
+        for h in self.user:
+            h.restore()
+        torch.set_num_threads(self.threads)
+        set_rng(self.rng)
+        if full:
+            self.clean = _versions(objects)
+
+    def _untouched(self, objects: Objects) -> bool:
+        if self.clean is None:
+            return False
+        now = _versions(objects)
+        return len(now) == len(self.clean) and all(
+            a[0] is b[0] and a[1:] == b[1:] for a, b in zip(now, self.clean))
+
+    def release(self) -> None:
+        """Free the stored tensors (the snapshot file too) now rather than at garbage collection."""
+        if self.store is not None:
+            self.store.close()
+
+
+def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """A GradScaler's state without a device sync (its scale stays a tensor). A disabled one (created
+    with enabled=False, as nanoGPT does on fp32/bf16) has no state."""
+    if not scaler.is_enabled():
+        return {"enabled": False}
+    return {"enabled": scaler._enabled,
+            "scale": None if getattr(scaler, "_scale", None) is None else scaler._scale.detach().clone(),
+            "growth_tracker": None if getattr(scaler, "_growth_tracker", None) is None
+            else scaler._growth_tracker.detach().clone(),
+            "params": (scaler._init_scale, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
+                       scaler._init_growth_tracker)}
+
+
+def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:
+    if not saved["enabled"]:
+        return
+    scaler._enabled = saved["enabled"]
+    (scaler._init_scale, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
+     scaler._init_growth_tracker) = saved["params"]
+    for attr, key in (("_scale", "scale"), ("_growth_tracker", "growth_tracker")):
+        value = saved[key]
+        cur = getattr(scaler, attr, None)
+        if value is None:
+            setattr(scaler, attr, None)
+        elif isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.device == value.device:
+            cur.copy_(value)
+        else:
+            setattr(scaler, attr, value.clone())
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+@dataclass(slots=True)
+class Objects:
+    """The user's training objects, as the snapshot sees them."""
+
+    model: torch.nn.Module
+    optimizers: list[tuple[str, torch.optim.Optimizer]]
+    schedulers: list[tuple[str, Any]]
+    user_scalers: list[tuple[str, torch.amp.GradScaler]]
+    fns: tuple[Any, ...]                 # the step functions whose closure state is carried
+    own_scalers: list[tuple[str, torch.amp.GradScaler]] = field(default_factory=list)
+    attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # module tensor attributes (found lazily)
+    masters: list[tuple[str, torch.Tensor]] = field(default_factory=list)   # optimizer tensors outside the model
+    storage: StoragePolicy = field(default_factory=StoragePolicy)
+
+    def scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
+        return self.own_scalers + self.user_scalers
+
+    def refresh_attrs(self) -> None:
+        self.attrs = module_tensor_attrs(self.model)
+
+    def _tensors(self) -> tuple[list[tuple[str, torch.Tensor]], list[list[tuple[int, Any, torch.Tensor]]]]:
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        named += [(n, b) for n, b in self.model.named_buffers()]
+        named += self.masters   # float32 master copies of the weights: saved and restored like them
+        return named, [_state_tensors(o) for _, o in self.optimizers]
+
+    def take(self, rng: dict[str, Any] | None = None, reuse: Snapshot | None = None) -> Snapshot:
+        """Copy the state now (``rng``: the RNG states to store instead of the current ones).
+
+        ``reuse``: an earlier snapshot of these objects whose storage (buffers or file) is
+        overwritten when the layout is unchanged, so a rolling snapshot allocates nothing new.
+        """
+        if self.attrs is None:
+            self.refresh_attrs()
+        named, opt_tensors = self._tensors()
+        flat = [t for _, t in named] + [t for ts in opt_tensors for _, _, t in ts]
+        device_type = _device_type(self.model)
+        if reuse is not None and reuse.store is not None:
+            store = reuse.store
+            old = [s for _, _, s in reuse.tensors] + [s for slots in reuse.opt_slots for s in slots.values()]
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in flat)
+            p = self.storage
+            store = p.new_store(device_type, nbytes)
+            old = None
+        slots = store.put_all(flat, reuse=old)
+        n = len(named)
+        tensors = [(name, live, slot) for (name, live), slot in zip(named, slots[:n])]
+        opt_slots = []
+        i = n
+        for (_, opt), ts in zip(self.optimizers, opt_tensors):
+            d = {}
+            for (pi, k, _), slot in zip(ts, slots[i:i + len(ts)]):
+                d[(pi, k)] = slot
+            i += len(ts)
+            opt_slots.append(d)
+        scheds = []
+        for _, s in self.schedulers:
+            scheds.append(copy.deepcopy(s.state_dict()) if callable(getattr(s, "state_dict", None)) else None)
+        return Snapshot(
+            tensors=tensors,
+            optimizers=[_optimizer_layout(o) for _, o in self.optimizers],
+            opt_slots=opt_slots,
+            schedulers=scheds,
+            scalers=[_scaler_state(s) for _, s in self.scalers()],
+            rng=rng if rng is not None else capture_rng(device_type),
+            threads=torch.get_num_threads(),
+            flags=[(m, m.training) for m in self.model.modules()],
+            attrs=[(m, name, _value(getattr(m, name, None)), qual) for m, name, qual in self.attrs],
+            user=capture_user_state(self.fns, [t for _, t in named]),
+            store=store,
+            groups=[[list(g["params"]) for g in o.param_groups] for _, o in self.optimizers],
+            trainable=[(p, p.requires_grad) for p in self.model.parameters()],
+        )
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    for t in model.parameters():
+        return t.device.type
+    for t in model.buffers():
+        return t.device.type
+    return "cpu"
+
+
+def objects_of(target: Any, own_scalers: list[tuple[str, torch.amp.GradScaler]] | None = None) -> Objects:
+    """The Objects view of a :class:`nanprobe.reach.target.Target`."""
+    fns = tuple(f for f in (target.step_fn, target.loss_fn) if f is not None)
+    return Objects(model=target.model, optimizers=target.optimizers, schedulers=target.schedulers,
+                   user_scalers=target.user_scalers, fns=fns, own_scalers=list(own_scalers or []),
+                   masters=target.masters)
+
+
+def apply_carried(carried: dict[str, Any], objects: Objects, notes: list[str]) -> None:
+    """Put state a capsule carried (see :meth:`Snapshot.carried`) into a fresh entrypoint's objects."""
+    model = objects.model
+    for qual, value in (carried.get("attrs") or {}).items():
+        path, _, attr = str(qual).rpartition(".")
+        try:
+            module = model.get_submodule(path) if path else model
+        except AttributeError:
+            notes.append(f"the capsule carries {qual}, which this model has no module for")
+            continue
+        setattr(module, attr, value)
+    holders = [h for fn in objects.fns for h in _callable_holders(fn)]
+    for group, kind in (("cells", "cell"), ("owner", "attr")):
+        for name, value in (carried.get(group) or {}).items():
+            match = next((h for h in holders if h[0] == kind and h[2] == name), None)
+            if match is None:
+                notes.append(f"the capsule carries the step's {name!r}, which this entrypoint's step does not keep")
+                continue
+            _, holder, key = match
+            if kind == "cell":
+                holder.cell_contents = value
+            else:
+                setattr(holder, key, value)
+
+
+__all__ = ["Snapshot", "Objects", "objects_of", "RngTracker", "capture_rng", "set_rng", "module_tensor_attrs",
+           "capture_user_state", "apply_carried", "borrowed_globals",
+           "borrows_globals"]
+
+
+# -- the caller's global state ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def borrowed_globals():
+    """Run a library call inside the caller's process without leaving a trace in its global state.
+
+    Saved on entry and put back on exit (errors and interrupts too): the RNG streams (torch, every
+    CUDA device, Python ``random``, numpy), the thread count, the default dtype, grad mode, anomaly
+    mode (and its check_nan), autocast (CPU and CUDA), deterministic-algorithm flags, TF32 and cuDNN
+    flags, float32 matmul precision. Inside, grad mode is on and anomaly mode off (nanprobe turns
+    anomaly mode on itself where it needs a node's forward stack): a caller debugging with
+    ``detect_anomaly`` or under ``torch.no_grad()`` gets the same diagnosis as anyone else.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    saved = {
+        "rng": capture_rng("cuda" if cuda else "cpu", host=True),
+        "threads": torch.get_num_threads(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "autocast": {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")},
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        "tf32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    try:
+        torch.set_grad_enabled(True)
+        torch.set_anomaly_enabled(False)
+        for d in ("cpu", "cuda"):
+            torch.set_autocast_enabled(d, False)
+        yield
+    finally:
+        set_rng(saved["rng"])
+        torch.set_num_threads(saved["threads"])
+        torch.set_default_dtype(saved["dtype"])
+        torch.set_grad_enabled(saved["grad"])
+        torch.set_anomaly_enabled(*saved["anomaly"])
+        for d, (enabled, dtype) in saved["autocast"].items():
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+        torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32"]
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved["cudnn"]
+        torch.set_float32_matmul_precision(saved["matmul_precision"])
+
+
+def borrows_globals(fn):
+    """Decorator: the library call runs inside :func:`borrowed_globals`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with borrowed_globals():
+            return fn(*args, **kwargs)
+    return wrapper

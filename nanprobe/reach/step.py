@@ -1,0 +1,519 @@
+"""One training step of the user's loop, as nanprobe runs it everywhere (replay, reruns, smoke).
+
+Two forms, chosen by the target:
+
+* ``loss_fn`` — the canonical loop: ``zero_grad``; for each micro-batch of the step, autocast
+  forward + loss and ``backward`` (scaled with a GradScaler); ``unscale_``, clip, ``step`` each
+  optimizer, ``update`` the scaler; step the schedulers (also when GradScaler skipped, unless
+  ``scheduler_on_skip`` is false).
+* ``step_fn`` — the user's whole step (several optimizers or losses, a GAN, a closure, a hand-set
+  LR). nanprobe watches it through hooks: optimizer step pre/post hooks (phase, gradient norm,
+  LR, fix overrides), ``torch.autograd.backward``/``grad`` (phase, the losses backpropagated),
+  ``clip_grad_norm_`` (the norm before clipping), ``GradScaler.scale`` (the unscaled loss) and
+  ``torch.autocast`` (the precision the step uses; a rerun in another precision rewrites it).
+
+Neither form calls ``model.train()``: every module keeps the train/eval flag the target returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.amp.autocast_mode import autocast as _autocast_cls
+
+from ..base.batch import iter_tensors
+from ..base.errors import TargetError, UserExit
+from .feed import LiveFeed, MicroBatches, ReplayFeed
+from ..base.precision import Precision, autocast_context, device_of, numeric_mode, policy_context
+from ..base.report import Phase
+from .state import Objects, objects_of
+from .target import Target, call_user, check_loss
+
+Feed = LiveFeed | ReplayFeed
+_KEEP = object()   # RunOptions.scaler: use the loop's own GradScaler
+
+
+def make_scaler(target: Target, precision: Precision, device_type: str) -> torch.amp.GradScaler | None:
+    """nanprobe's GradScaler for a ``loss_fn`` target with ``grad_scaler: True`` trained in fp16."""
+    if precision is Precision.FP16 and target.grad_scaler is True and target.optimizers:
+        return torch.amp.GradScaler(device_type)
+    return None
+
+
+def current_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
+    if optimizer is None or not optimizer.param_groups:
+        return None
+    lr = optimizer.param_groups[0].get("lr")
+    if isinstance(lr, torch.Tensor):
+        return float(lr.item()) if lr.numel() == 1 else None
+    return float(lr) if isinstance(lr, (int, float)) else None
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor: the sample axis by convention."""
+    for _, t in iter_tensors(batch):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    return None
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one step did, as device tensors (read back by the caller with one sync)."""
+
+    loss: torch.Tensor | None                  # sum of the step's losses (detached scalar)
+    losses: dict[str, torch.Tensor | float] = field(default_factory=dict)  # per micro-batch / per returned key
+    grad_norm: torch.Tensor | None = None      # global gradient norm (before clipping where the step clips)
+    lr: float | None = None                    # the learning rate the step used (first optimizer)
+    found_inf: torch.Tensor | None = None      # >0: a GradScaler found inf/NaN gradients and skipped
+    scale: torch.Tensor | None = None          # the loss scale the step used
+    micro: int = 1                             # micro-batches the step consumed
+    stepped: tuple[str, ...] = ()              # optimizers whose step() ran (step_fn)
+    autocast: tuple[str, ...] = ()             # autocast dtypes the step entered (step_fn)
+    precision_applied: bool = True             # False: a rerun precision could not be applied (step_fn)
+
+
+@dataclass(slots=True)
+class RunOptions:
+    """How to run one step: precision and the overrides reruns and fix verification use."""
+
+    precision: Precision
+    policy: str = "native"
+    on_phase: Callable[[Phase], None] | None = None
+    on_micro: Callable[[int], None] | None = None
+    max_grad_norm: float | None = None        # clip at this instead (loss_fn) / in addition (step_fn)
+    lr_scale: float | tuple[float, ...] | None = None   # multiply every group's LR (or each group's) this step
+    param_overrides: dict[str, Any] | None = None   # e.g. {"eps": 1e-8} for every param group
+    scaler: Any = _KEEP                       # loss_fn: a GradScaler to use instead of the loop's own (None: none)
+    stop_before_update: bool = False          # loss_fn: end after the gradients (no optimizer step, no schedule)
+
+
+class Loop:
+    """The target's training loop: its form, its objects (for snapshots) and nanprobe's GradScaler."""
+
+    def __init__(self, target: Target, where: str, precision: Precision | None = None, policy: str = "native"):
+        self.target = target
+        self.where = where
+        self.precision = precision or target.precision
+        self.policy = policy
+        self.device_type = device_of(target.model).type
+        self.scaler = make_scaler(target, self.precision, self.device_type) \
+            if target.loss_fn is not None and target.grad_scaler is True else None
+        if self.scaler is None and target.loss_fn is not None and target.user_scalers:
+            self.scaler = target.user_scalers[0][1]   # the user's own GradScaler object, for the canonical loop
+        own = [("GradScaler", self.scaler)] if self.scaler is not None and not target.user_scalers else []
+        self.objects: Objects = objects_of(target, own_scalers=own)
+        self.updates_in_step = 0
+        # the parameter lists, walked once (a module tree walk costs ~1 ms on a 60-module model)
+        self.named_params: list[tuple[str, torch.nn.Parameter]] = list(target.model.named_parameters())
+        self.params = [p for _, p in self.named_params]
+
+    def run(self, feed: Feed, options: RunOptions | None = None) -> StepOutcome:
+        """Run one step on ``feed``'s micro-batches. ``updates_in_step`` counts the optimizer
+        updates it applied (to tell, when the user's code raises, whether the state moved)."""
+        o = options or RunOptions(precision=self.precision, policy=self.policy)
+        feed.on_micro = o.on_micro
+        self.updates_in_step = 0
+        try:
+            if self.target.step_fn is not None:
+                return _run_user_step(self, feed, o)
+            return _run_canonical(self, feed, o)
+        except UserExit as exc:
+            raise exc.at_step(feed.step) from None
+
+
+# -- fix overrides on the optimizer update ----------------------------------------------------------
+
+_MISSING = object()
+
+
+def _override_groups(opt: torch.optim.Optimizer, lr_scale: float | None,
+                     param_overrides: Mapping[str, Any] | None) -> list[tuple[dict, dict]]:
+    """Scale each group's LR / set group keys; returns what :func:`_restore_groups` puts back."""
+    saved: list[tuple[dict, dict]] = []
+    if lr_scale is None and not param_overrides:
+        return saved
+    keys = set(param_overrides or ()) | ({"lr"} if lr_scale is not None else set())
+    for i, g in enumerate(opt.param_groups):
+        saved.append((g, {k: g.get(k, _MISSING) for k in keys}))
+        scale = lr_scale[i] if isinstance(lr_scale, tuple) and i < len(lr_scale) else lr_scale
+        if isinstance(scale, (int, float)):
+            g["lr"] = g["lr"] * scale
+        if param_overrides:
+            g.update(param_overrides)
+    return saved
+
+
+def _restore_groups(saved: list[tuple[dict, dict]]) -> None:
+    """The same group dicts get their values back (their identity never changes)."""
+    for g, values in saved:
+        for k, v in values.items():
+            if v is _MISSING:
+                g.pop(k, None)
+            else:
+                g[k] = v
+
+
+@contextlib.contextmanager
+def _update_overrides(optimizers: list[tuple[str, torch.optim.Optimizer]], lr_scale: float | None,
+                      param_overrides: Mapping[str, Any] | None):
+    saved: list[tuple[dict, dict]] = []
+    try:
+        for _, opt in optimizers:
+            saved += _override_groups(opt, lr_scale, param_overrides)
+        yield
+    finally:
+        _restore_groups(saved)
+
+
+# -- the canonical loss_fn loop ---------------------------------------------------------------------
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizers) -> torch.Tensor | None:
+    found = None
+    for _, opt in optimizers:
+        per_device = scaler._found_inf_per_device(opt)
+        for v in per_device.values():
+            found = v.float() if found is None else found + v.float().to(found.device)
+    return found
+
+
+def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
+    t = loop.target
+    model, opts = t.model, t.optimizers
+    device_type = loop.device_type
+    scaler = loop.scaler if o.scaler is _KEEP else o.scaler
+    if scaler is not None and not scaler.is_enabled():
+        scaler = None
+    phase = o.on_phase or (lambda p: None)
+    clip = o.max_grad_norm if o.max_grad_norm is not None else t.max_grad_norm
+    if opts:
+        for _, opt in opts:
+            opt.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    total: torch.Tensor | None = None
+    micro: list[torch.Tensor] = []
+    j = 0
+    while True:
+        batch = feed.get(j)
+        if batch is None:
+            break
+        phase(Phase.FORWARD)
+        # a pure low-precision run enters no autocast: its precision is its weights' dtype (a rerun in
+        # another precision casts the weights, see rerun._cast_weights)
+        with numeric_mode(o.precision, device_type), policy_context(o.policy, o.precision, device_type), \
+                autocast_context(o.precision, device_type, enabled=not t.pure):
+            loss = call_user("loss_fn(model, batch)", t.loss_fn, model, batch)
+        loss = check_loss(loss, loop.where)
+        phase(Phase.BACKWARD)
+        call_user("loss.backward()", (scaler.scale(loss) if scaler is not None else loss).backward)
+        d = loss.detach()
+        micro.append(d)
+        total = d if total is None else total + d
+        j += 1
+    phase(Phase.UPDATE)
+    found = scale = None
+    if scaler is not None and opts:
+        scale = scaler._scale.detach().clone() if scaler._scale is not None else None
+        for _, opt in opts:
+            call_user("scaler.unscale_(optimizer)", scaler.unscale_, opt)
+        found = _found_inf(scaler, opts)
+    with_grad = [p for p in loop.params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    if clip and grads:
+        grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, clip)
+    elif grads:
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+    else:
+        grad_norm = None
+    lr = current_lr(opts[0][1]) if opts else None
+    if o.stop_before_update:
+        return StepOutcome(loss=total, losses={f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1
+                           else {}, grad_norm=None if grad_norm is None else grad_norm.detach(), lr=lr,
+                           found_inf=found, scale=scale, micro=j, stepped=())
+    if opts:
+        with _update_overrides(opts, o.lr_scale, o.param_overrides):
+            for _, opt in opts:
+                loop.updates_in_step += 1
+                if scaler is not None:
+                    call_user("scaler.step(optimizer)", scaler.step, opt)
+                else:
+                    call_user("optimizer.step()", opt.step)
+        if scaler is not None:
+            call_user("scaler.update()", scaler.update)
+    if t.schedulers:
+        skipped = False
+        if found is not None and not t.scheduler_on_skip:
+            skipped = bool(found.item() > 0)   # the loop branches on it, as the user's does
+        if not skipped:
+            for name, sched in t.schedulers:
+                call_user(f"{name}.step()", sched.step)
+    losses = {f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1 else {}
+    return StepOutcome(loss=total, losses=losses, grad_norm=None if grad_norm is None else grad_norm.detach(),
+                       lr=lr, found_inf=found, scale=scale, micro=j,
+                       stepped=tuple(name for name, _ in opts))
+
+
+# -- the user's own step ----------------------------------------------------------------------------
+
+def _as_losses(result: Any) -> dict[str, torch.Tensor | float] | None:
+    """step_fn's return value -> named losses; None when it returned nothing."""
+    if result is None:
+        return None
+    if isinstance(result, (torch.Tensor, int, float)) and not isinstance(result, bool):
+        return {"loss": result}
+    if isinstance(result, Mapping):
+        out = {}
+        for k, v in result.items():
+            if isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool):
+                out[str(k)] = v
+        return out
+    if isinstance(result, (tuple, list)):
+        return {f"loss[{i}]": v for i, v in enumerate(result)
+                if isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool)}
+    return {}
+
+
+def _scalar(v: torch.Tensor | float, where: str, name: str) -> torch.Tensor | float:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise TargetError(f"step_fn returned {name} of shape {tuple(v.shape)}, not a scalar", where,
+                              "Return the scalar loss(es) of the step, e.g. {'loss_d': loss_d, 'loss_g': loss_g}")
+        return v.detach().reshape(()).float()
+    return float(v)
+
+
+class Patch:
+    """Set ``obj.name`` for the duration of a context; put the original back on exit."""
+
+    __slots__ = ("obj", "name", "original")
+
+    def __init__(self, obj: Any, name: str, value: Any):
+        self.obj, self.name = obj, name
+        self.original = getattr(obj, name)
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        setattr(self.obj, self.name, self.original)
+
+
+class _StepWatch:
+    """Hooks and scoped patches that watch a user's step (see the module docstring)."""
+
+    def __init__(self, loop: Loop, o: RunOptions):
+        self.loop, self.o = loop, o
+        self.phase = o.on_phase
+        self.current: Phase | None = None
+        self.norms: list[torch.Tensor] = []
+        self.pending_clip: list[torch.Tensor] = []
+        self.lr: float | None = None
+        self.stepped: list[str] = []
+        self.backwarded: list[torch.Tensor] = []
+        self.scaled: list[torch.Tensor] = []
+        self.dtypes: list[str] = []
+        self.entered_autocast = False
+        self._handles: list[Any] = []
+        self._patches: list[Patch] = []
+        self._saved_groups: dict[int, list[tuple[dict, dict]]] = {}
+        self._clip_original = torch.nn.utils.clip_grad_norm_
+        self._model_modules = {id(m) for m in loop.target.model.modules()} if o.on_phase else set()
+
+    def set_phase(self, p: Phase) -> None:
+        if self.phase is not None and p is not self.current:
+            self.current = p
+            self.phase(p)
+
+    # -- context --
+    def __enter__(self) -> _StepWatch:
+        for name, opt in self.loop.target.optimizers:
+            self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre, name)))
+            self._handles.append(opt.register_step_post_hook(functools.partial(self._post, name)))
+        try:
+            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+            self._patches.append(Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)))
+            self._clip_original = torch.nn.utils.clip_grad_norm_
+            clip = self._wrap_clip(self._clip_original)
+            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
+            self._patches.append(Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)))
+            self._patches.append(Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__)))
+            if self.phase is not None:
+                self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.set_phase(Phase.FORWARD)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self._patches):
+            p.undo()
+        for h in self._handles:
+            h.remove()
+        self._patches, self._handles = [], []
+        for saved in self._saved_groups.values():
+            _restore_groups(saved)
+        self._saved_groups.clear()
+
+    # -- phases --
+    def _forward_pre(self, module, args) -> None:
+        if id(module) in self._model_modules and self.current is not Phase.FORWARD and \
+                torch._C._current_autograd_node() is None:
+            self.set_phase(Phase.FORWARD)
+
+    def _wrap_backward(self, original):
+        @functools.wraps(original)
+        def backward(tensors, *args, **kwargs):
+            for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+                if isinstance(t, torch.Tensor) and t.numel() == 1:
+                    self.backwarded.append(t.detach().reshape(()).float())
+            self.set_phase(Phase.BACKWARD)
+            try:
+                return original(tensors, *args, **kwargs)
+            finally:
+                self.set_phase(Phase.UPDATE)   # gradient processing until the next forward or step
+        return backward
+
+    def _wrap_grad(self, original):
+        @functools.wraps(original)
+        def grad(*args, **kwargs):
+            before = self.current
+            self.set_phase(Phase.BACKWARD)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if before is not None:
+                    self.set_phase(before)
+        return grad
+
+    def _wrap_clip(self, original):
+        @functools.wraps(original)
+        def clip_grad_norm_(*args, **kwargs):
+            norm = original(*args, **kwargs)
+            if isinstance(norm, torch.Tensor):
+                self.pending_clip.append(norm.detach())
+            return norm
+        return clip_grad_norm_
+
+    def _wrap_scale(self, original):
+        watch = self
+
+        @functools.wraps(original)
+        def scale(scaler, outputs):
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                watch.scaled.append(outputs.detach().reshape(()).float())
+            return original(scaler, outputs)
+        return scale
+
+    def _wrap_enter(self, original):
+        watch = self
+        want = self.o.precision
+
+        @functools.wraps(original)
+        def __enter__(ac):
+            if getattr(ac, "device", None) == watch.loop.device_type:
+                if ac._enabled:
+                    watch.dtypes.append(str(ac.fast_dtype).replace("torch.", ""))
+                watch.entered_autocast = True
+                if want is not None and want is not watch.loop.precision and ac._enabled:
+                    ac._nanprobe_saved = (ac._enabled, ac.fast_dtype)
+                    if want.autocast:
+                        ac.fast_dtype = want.dtype
+                    else:
+                        ac._enabled = False
+            return original(ac)
+        return __enter__
+
+    def _wrap_exit(self, original):
+        @functools.wraps(original)
+        def __exit__(ac, *exc):
+            try:
+                return original(ac, *exc)
+            finally:
+                saved = ac.__dict__.pop("_nanprobe_saved", None)
+                if saved is not None:   # the user's autocast object (maybe reused each step) gets its settings back
+                    ac._enabled, ac.fast_dtype = saved
+        return __exit__
+
+    # -- the optimizer update --
+    def _pre(self, name: str, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        self.set_phase(Phase.UPDATE)
+        o = self.o
+        if self.pending_clip:   # the step clipped: its clip_grad_norm_ returned the norm before clipping
+            norm = self.pending_clip[0] if len(self.pending_clip) == 1 else \
+                torch.stack([n.float() for n in self.pending_clip]).norm()
+            self.pending_clip.clear()
+        else:
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if norm is not None:
+            self.norms.append(norm.detach().float())
+        if o.max_grad_norm is not None:   # a clipping fix, on top of whatever the step does
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                self._clip_original(params, o.max_grad_norm)
+        saved = _override_groups(opt, o.lr_scale, o.param_overrides)
+        if saved:
+            self._saved_groups[id(opt)] = saved
+        if self.lr is None:
+            self.lr = current_lr(opt)
+        self.stepped.append(name)
+        self.loop.updates_in_step += 1
+
+    def _post(self, name: str, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        saved = self._saved_groups.pop(id(opt), None)
+        if saved is not None:
+            _restore_groups(saved)
+
+
+def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
+    t = loop.target
+    scalers = [s for _, s in t.user_scalers if s.is_enabled()]   # a disabled GradScaler scales nothing
+    before = [s._scale.detach().clone() if getattr(s, "_scale", None) is not None else None for s in scalers]
+    watch = _StepWatch(loop, o)
+    with watch:
+        batch = feed.get(0) if t.accumulate == 1 else MicroBatches(feed)
+        result = call_user("step_fn(model, batch, step)", t.step_fn, t.model, batch, feed.step)
+    feed.finish()
+    losses = _as_losses(result)
+    if losses is None:   # the step returned nothing: what it scaled, else what it backpropagated
+        seen = watch.scaled or watch.backwarded
+        losses = {f"loss[{i}]": v for i, v in enumerate(seen)} if len(seen) > 1 else (
+            {"loss": seen[0]} if seen else {})
+    losses = {k: _scalar(v, loop.where, k) for k, v in losses.items()}
+    device = device_of(t.model)
+    total = None
+    # a dict with a "loss" key is Lightning's convention: that entry is the loss, the others are what the step
+    # reports beside it (accuracy, returns, a counter); a dict without one is several losses (a GAN's), summed
+    for v in ([losses["loss"]] if "loss" in losses else losses.values()):
+        v = v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
+        v = v.to(device)
+        total = v if total is None else total + v
+    if not watch.norms and watch.pending_clip:   # clipped, then updated without an optimizer (hand-written SGD)
+        watch.norms = [n.float() for n in watch.pending_clip]
+    grad_norm = None
+    if watch.norms:
+        grad_norm = watch.norms[0] if len(watch.norms) == 1 else torch.stack(
+            [n.to(watch.norms[0].device) for n in watch.norms]).norm()
+    found = scale = None
+    for s, b in zip(scalers, before):
+        if getattr(s, "_scale", None) is None:
+            continue
+        start = b if b is not None else torch.full_like(s._scale, s._init_scale)
+        dropped = (s._scale < start).float().reshape(())
+        found = dropped if found is None else found + dropped.to(found.device)
+        scale = start.reshape(()) if scale is None else scale
+    lr = watch.lr if watch.lr is not None else (current_lr(t.optimizers[0][1]) if t.optimizers else None)
+    applied = o.precision is loop.precision or watch.entered_autocast or not o.precision.autocast or t.pure
+    return StepOutcome(loss=total, losses=losses if len(losses) > 1 else {}, grad_norm=grad_norm, lr=lr,
+                       found_inf=found, scale=scale, micro=feed.count(), stepped=tuple(watch.stepped),
+                       autocast=tuple(dict.fromkeys(watch.dtypes)), precision_applied=applied)
+
+
+__all__ = ["Loop", "RunOptions", "StepOutcome", "make_scaler", "current_lr", "batch_size", "Patch"]
