@@ -89,18 +89,18 @@ def test_guard_and_judge_decide_the_same_on_the_same_history(name):
     losses, norms, _, _ = SERIES[name]
     cfg = load_config()
     judge = Judge(_smoke_replay_config(cfg))
-    guard = _guard(cfg.guard)
+    core = _guard(cfg.guard).core
     for r in _records(losses, norms):
-        guard._current = r.step      # (the step in progress, as guard.step() sets it)
         status, reason = judge.judge(r, True)
-        flagged = r.loss > guard._t_loss or r.grad_norm > guard._t_norm
-        g_reason, g_status = guard._judge(r.loss, r.grad_norm, False)
-        assert (g_status, g_reason) == (status.value, reason), r.step
+        t_loss, t_norm = core.thresholds()
+        flagged = r.loss > t_loss or r.grad_norm > t_norm
+        g_status, g_reason = core.judge.judge(r, True)
+        assert (g_status, g_reason) == (status, reason), r.step
         assert flagged == (status is Status.SPIKE), r.step
         if status is not Status.FINITE:
             break
         judge.add(r)
-        guard._add(r.loss, r.grad_norm)
+        core.judge.add(r)
 
 
 def _scaled(skips_then: list[tuple[bool, float]]):

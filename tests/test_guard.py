@@ -15,6 +15,7 @@ from conftest import asset
 from nanprobe.capsule import list_capsules, read
 from nanprobe.reach.entry import load_target
 from nanprobe.base.errors import ConfigError, UsageError
+from nanprobe.base.report import Status, StepRecord
 from nanprobe.live.guard import Guard, GuardTripped
 
 ENTRY = asset("guard_nan.py")
@@ -281,9 +282,13 @@ def test_state_dict_round_trip(tmp_path):
     assert restored.step_index == 6 and guard.step_index == 6
     # the spike statistics came back too: both guards judge the same loss the same way
     median = sorted(state["losses"])[len(state["losses"]) // 2]
-    assert guard._judge(median * 1000, None, False) == restored._judge(median * 1000, None, False)
-    assert restored._judge(median * 1000, None, False)[1] == "spike"
-    assert restored._judge(median, None, False) == (None, "finite")
+
+    def verdict(g, loss):
+        return g.core.judge.judge(StepRecord(step=6, loss=loss, grad_norm=None, lr=None, update_ratio=None,
+                                             finite=True), True)
+    assert verdict(guard, median * 1000) == verdict(restored, median * 1000)
+    assert verdict(restored, median * 1000)[0] is Status.SPIKE
+    assert verdict(restored, median) == (Status.FINITE, None)
 
 
 def test_bad_arguments_are_usage_errors(tmp_path):
@@ -325,7 +330,7 @@ def test_capsule_rng_is_the_state_at_step_start(tmp_path, uses_host_rng):
             opt.zero_grad(set_to_none=True)
             guard.backward(loss_fn(model, batch))
         guard.optimizer_step()
-    assert guard._rngs.host_used is uses_host_rng
+    assert guard.core.rngs.host_used is uses_host_rng
     rng = torch.load(guard.capsules[0], weights_only=True)["rng"]
     torch_state, py_state, np_keys = starts[6]
     assert torch.equal(rng["torch"], torch_state)

@@ -13,7 +13,8 @@ import torch
 from ..base.config import Config, load_config
 from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
 from ..base.errors import short_path as shown   # a path as the user reads it
-from .guard import GuardTripped, current_lr, distributed
+from .core import current_lr, distributed, grads_of, total_norm
+from .guard import GuardTripped
 
 POLICIES = ("skip", "raise", "stop", "record")
 
@@ -138,15 +139,6 @@ def _scaler_stage(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> s
     state = scaler._per_optimizer_states.get(id(opt)) if hasattr(scaler, "_per_optimizer_states") else None
     stage = state.get("stage") if state else None
     return getattr(stage, "name", "READY").lower()
-
-
-def grads_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    return [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None]
-
-
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    return torch.nn.utils.get_total_norm(grads) if grads else None
-
 
 
 __all__ = ["HookEvent", "Stopped", "POLICIES", "check_policy", "resolve_config", "distributed",

@@ -27,11 +27,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import logging
-import math
 import os
 import shlex
-import struct
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,22 +39,18 @@ import torch
 from .. import capsule as _capsule
 from ..base.batch import clone_batch
 from ..base.config import Config, load_config
-from ..judge.divergence import Judge
 from ..base.errors import UsageError
-from ..reach.feed import Position, Recorded
-from ..judge.monitor import close_step, live_monitor
 from ..base.precision import device_of
-from ..reach.replay import Reached, scheduler_info, storage_policy
 from ..base.report import Origin, Phase, Report, Status, StepRecord, write_new
-from ..reach.state import RngTracker, Snapshot, module_tensor_attrs
+from ..base.sharding import fsdp1_root, sharded
+from ..judge.updates import update_finding
+from ..reach.feed import Position, Recorded
+from ..reach.replay import Reached, scheduler_info, storage_policy
+from ..reach.state import Snapshot
 from ..reach.step import Loop
 from ..reach.target import Target
-from .guard import check_guard_config, loss_rank_of, rank_flags, rank_reason
-from ..base.sharding import fsdp1_root, full_value, sharded, weights_finite
-from ..base.sharding import total_norm as group_norm
-from ..judge.updates import UpdateCheck, describe, update_finding, update_forensics
-from .events import POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of, \
-    total_norm
+from .core import StepCore, Verdict, check_guard_config, current_lr
+from .events import POLICIES, HookEvent, Stopped, check_policy
 
 
 @dataclass(slots=True)
@@ -117,102 +110,76 @@ class HookedGuard:
         self.max_reports = max_reports    # bad steps diagnosed in-process; later ones get a capsule and a line
         self.reports = 0
         self.logger = logging.getLogger(f"nanprobe.{command}")
-        self.judge = Judge(self.gcfg)   # the divergence model of replay and smoke, with the guard: thresholds
-        self.device_type = device_of(model).type
-        self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
-        self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
+        self.core = StepCore(model, self.cfg, None, self.logger)   # the step's state and its judgement
         self.events: list[HookEvent] = events if events is not None else []   # the caller's list, if given
         self.capsules: list[Path] = []
         self.pending: Pending | None = None
         self.busy = False                 # nanprobe is rerunning a step: the hooks stand still
-        self.consecutive = 0
-        self.checks = 0
-        self._world: tuple[int, int] | None = None
-        self._items: list[Any] = []
-        self._rng_after: list[dict[str, Any]] = []
-        self._checked = True              # the step in progress is checked (check_every)
         self._updating: tuple[int, list[torch.optim.Optimizer]] | None = None   # a checked good step's update
-        self._update: tuple[int, torch.Tensor, list] | None = None   # its weights flag, read at the next check
-        self.updates = UpdateCheck(self.gcfg.check_updates_every)     # which updates' weights were read
-        self._update_optimizers: list[torch.optim.Optimizer] = []     # those of the last applied update
-        self._losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
-        self._attrs: list[tuple[torch.nn.Module, str, str]] | None = None
-        self._carried: dict[str, Any] = {}
-        self._buffers = [b for m in model.modules() for name, b in m._buffers.items()
-                         if b is not None and name not in m._non_persistent_buffers_set]
-        self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
         # what the log line says of a bad step the diagnosis did not locate (step -> text; watch offers --at N)
         self.unlocated: Callable[[int], str] | None = None
         # step -> the command that replays it when the capsule's cannot (watch: a loss outside the root
         # module, which a capsule of the root's inputs does not compute), else None
         self.replay: Callable[[int], str | None] | None = None
-        self.monitor = live_monitor(model, self.cfg, None)   # the precursor monitor; its one early warning:
-        self.warnings: list[dict[str, Any]] = []
 
     # -- capture --------------------------------------------------------------------------------------
 
     @property
+    def history(self):
+        return self.core.history
+
+    @property
+    def judge(self):
+        return self.core.judge
+
+    @property
+    def monitor(self):
+        return self.core.monitor
+
+    @property
+    def warnings(self) -> list[dict[str, Any]]:
+        return self.core.warnings
+
+    @property
+    def checks(self) -> int:
+        return self.core.checks
+
+    @property
     def in_step(self) -> bool:
-        return bool(self._items)
+        return self.core.in_step
 
     def micro(self, batch: Any, step: int) -> None:
         """A micro-batch of step ``step`` is about to run (the first one starts the step)."""
-        if self.busy:
-            return
-        if not self._items:
-            if self.monitor is not None:
-                self.monitor.begin(step)
-            self._checked = step % self.gcfg.check_every == 0
-            if self._checked:
-                self.rngs.begin_step()
-                if self._buffers:
-                    torch._foreach_copy_(self._shadow, self._buffers)
-                if self._attrs:
-                    self._carried = {qual: getattr(m, attr, None) for m, attr, qual in self._attrs}
-        if self._checked:
-            self._rng_after.append(self.rngs.capture())
-        self._items.append(batch)
+        if not self.busy:
+            self.core.begin(step, batch)
 
     def note_loss(self, loss: torch.Tensor, scale: torch.Tensor | float | None = None) -> None:
-        """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by).
-        Kept detached; read back with the norm in the check's one sync."""
-        if self.busy or not self._checked or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            return
-        self._losses.append((loss.detach(), scale))
+        """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by)."""
+        if not self.busy:
+            self.core.note_loss(loss, scale)
 
     def reset(self) -> None:
         """The step is over (checked or not): drop what was captured for it."""
-        self._items, self._rng_after, self._losses = [], [], []
+        self.core.reset()
 
     def after_update(self) -> None:
-        """The framework applied the update of the last checked good step: on every
-        ``guard.check_updates_every``-th, queue the weights flag (:func:`nanprobe.judge.updates.weights_flag`,
-        no sync) for the next check's one sync."""
+        """The framework applied the update of the last checked good step: its weights flag is queued for
+        the next check's one sync (every ``guard.check_updates_every``-th)."""
         updating, self._updating = self._updating, None
-        if updating is None or self.busy:
-            return
-        step, optimizers = updating
-        self._update_optimizers = optimizers
-        flag = self.updates.applied_update(step, optimizers)
-        self._update = (step, flag, optimizers) if flag is not None else None
+        if updating is not None and not self.busy:
+            self.core.applied(*updating)
 
     def final_check(self) -> bool:
         """Training ended: the last checked update's weights flag (one sync). True when that update made
         weights non-finite: it is then the pending bad step (finish it)."""
-        update, self._update = self._update, None
         if self.busy:
+            self.core._update = None
             return False
-        if update is not None:
-            if math.isfinite(float(update[1])):
-                self.updates.read(update[0], True)
-                return False
-            step, optimizers = update[0], update[2]
-        else:   # the last updates were not read (check_updates_every): read the weights now
-            step = self.updates.unread()
-            if step is None or weights_finite(self.model):
-                return False
-            optimizers = self._update_optimizers
-        rank, world = self._world or distributed()
+        born = self.core.final_update()
+        if born is None:
+            return False
+        step, optimizers = born
+        rank, world = self.core.world()
         record = StepRecord(step=step, loss=None, grad_norm=None, lr=current_lr(optimizers), update_ratio=None,
                             finite=False)
         return self._update_born(step, record, rank, world, optimizers)
@@ -222,162 +189,41 @@ class HookedGuard:
     def check(self, step: int, optimizers: list[torch.optim.Optimizer], *, norm: torch.Tensor | None = None,
               scaler: torch.amp.GradScaler | None = None, position: Position | None = None,
               max_grad_norm: float | None = None) -> bool:
-        """Judge the step before its update (one device sync; a GradScaler skip reads its scale, one
-        more, on that step only). ``scaler``: the loop's enabled GradScaler, if any. Returns True when
-        the update must be skipped (the caller calls :func:`skip_update`); a bad step is then pending
-        until :meth:`finish`. The step's capture ends here (the next :meth:`micro` starts the next step)."""
+        """Judge the step before its update (:meth:`StepCore.check`). ``scaler``: the loop's enabled
+        GradScaler, if any. Returns True when the update must be skipped (the caller calls
+        :func:`skip_update`); a bad step is then pending until :meth:`finish`. The step's capture ends here
+        (the next :meth:`micro` starts the next step)."""
         if self.busy:
             return False
-        if not self._checked:
-            self.updates.unchecked()
-            self.reset()
+        core = self.core
+        if not core.checked:
+            core.unchecked()
+            core.reset()
             return False
         try:
-            return self._check(step, optimizers, norm, scaler, position, max_grad_norm)
+            if self.pending is not None:   # a step whose finish() never came (the framework raised meanwhile)
+                if self.pending.before is not None:
+                    self.pending.before.release()
+                self.pending = None
+            v = core.check(step, optimizers, core.norm(optimizers) if norm is None else norm, scaler, position)
+            if v.update_born is not None:
+                return self._update_born(v.update_born[0], v.record, v.rank, v.world, v.update_born[1])
+            if not v.bad:
+                core.passed(v, optimizers, scaler)
+                self._updating = (step, optimizers)
+                return False
+            settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler is not None}   # for the capsule
+            return self._bad(v, position, settings)
         finally:
-            if self.monitor is not None:
-                self.monitor.abort()
-            self.reset()
-
-    def _check(self, step: int, optimizers: list[torch.optim.Optimizer], norm: torch.Tensor | None,
-               scaler: torch.amp.GradScaler | None, position: Position | None,
-               max_grad_norm: float | None) -> bool:
-        scaler_active = scaler is not None
-        if self.pending is not None:   # a step whose finish() never came (the framework raised meanwhile)
-            if self.pending.before is not None:
-                self.pending.before.release()
-            self.pending = None
-        self.checks += 1
-        self.rngs.end_step()
-        if self._attrs is None:   # after the first forward: tensors modules keep as attributes
-            self._attrs = module_tensor_attrs(self.model)
-        if norm is None:   # FSDP1: the shard norms summed over its process group
-            norm = group_norm(self.model, grads_of(optimizers)) if fsdp1_root(self.model) is not None \
-                else total_norm(grads_of(optimizers))
-        norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
-        update, self._update = self._update, None
-        if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
-            self._world = distributed()
-        rank, world = self._world
-        loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
-            self._losses, norm, scaler_active, (rank, world) if world > 1 else None,
-            update[1] if update is not None else None)
-        lr = current_lr(optimizers)
-        skipped = scaler_active and norm_v is not None and not math.isfinite(norm_v)
-        # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
-        scale = float(scaler.get_scale()) if skipped else None
-        finite = (loss_v is None or math.isfinite(loss_v)) and (norm_v is None or math.isfinite(norm_v) or skipped)
-        record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=lr, update_ratio=None, finite=finite,
-                            skipped=skipped, scale=scale, epoch=position.epoch if position else None,
-                            index=position.index if position else None)
-        status, reason = self.judge.judge(record, params_finite=True)
-        local = True
-        if status is Status.FINITE and others_bad:
-            status, reason, local = Status.NONFINITE, "another rank saw a non-finite value or spike at this step", \
-                False
-        elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
-            # this rank's loss is finite: its non-finite gradients came through the gradient reduction
-            reason, local = rank_reason(reason or "bad step", loss_rank), False
-        # the flag is the largest L2 norm: finite weights whose squares pass 3.4e38 (a 1e38 sentinel row) read
-        # as inf there; the exact check confirms it (rare path, every rank is here: the flag was reduced)
-        weights_bad = weights_bad and not weights_finite(self.model)
-        if update is not None:
-            self.updates.read(update[0], not weights_bad)
-        if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
-            return self._update_born(update[0], record, rank, world, optimizers)
-        unread = self.updates.unread() if status is not Status.FINITE else None
-        if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
-            return self._update_born(unread, record, rank, world, self._update_optimizers or optimizers)
-        if status is Status.FINITE:
-            w = close_step(self.monitor, step, loss=loss_v, grad_norm=norm_v, lr=lr, scaler=scaler,
-                           optimizers=optimizers, logger=self.logger)
-            if w is not None:
-                self.warnings.append(w)
-            self.judge.add(record)
-            self.history.append(record)
-            self.consecutive = 0
-            self._updating = (step, optimizers)
-            return False
-        settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler_active}   # for the capsule
-        return self._bad(step, status, reason or "bad step", local, record, position, rank, world, settings)
-
-    def _thresholds(self) -> tuple[float, float]:
-        """The divergence model's cut-offs for this step (for the on-device flag all ranks reduce): a
-        value above them may be a spike, one below never is."""
-        return self.judge.model.loss_cut(), self.judge.model.norm_cut()
-
-    def _read(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]], norm: torch.Tensor | None,
-              scaler_active: bool, dist: tuple[int, int] | None, weights: torch.Tensor | None
-              ) -> tuple[float | None, float | None, bool, int | None, bool]:
-        """The step's losses (their sum), the norm, the last update's weights flag and, under
-        torch.distributed (``(rank, world)``), the all-reduced bad flags (any rank's step, the first rank
-        with a non-finite loss, any rank's weights) to the host in one sync: one ``stack`` and one
-        ``tolist`` (few ops: each costs microseconds)."""
-        parts: list[torch.Tensor] = [t for t, _ in losses]
-        scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
-        parts += scales
-        if norm is not None:
-            parts.append(norm.detach())
-        if weights is not None and not dist:
-            parts.append(weights)
-        if not parts:
-            if not dist:
-                return None, None, False, None, False
-            flags = self._reduce_flag([], None, scaler_active, dist, weights).tolist()
-            return None, None, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1]), bool(flags[2] > 0)
-        device = parts[0].device
-        if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
-            parts = [t.float().reshape(()).to(device) for t in parts]
-        stacked = torch.stack(parts)
-        if dist:
-            stacked = torch.cat([stacked, self._reduce_flag(losses, stacked[-1] if norm is not None else None,
-                                                            scaler_active, dist, weights)])
-        values = stacked.tolist()   # the one device sync
-        loss_v = None
-        it = iter(values[len(losses):len(losses) + len(scales)])
-        for (_, scale), v in zip(losses, values):   # float32 sums as torch adds them, exactly (see _f32)
-            if isinstance(scale, torch.Tensor):
-                v = _f32(v / next(it))
-            elif scale is not None:
-                v = _f32(v / scale)
-            loss_v = v if loss_v is None else _f32(loss_v + v)
-        norm_v = values[len(losses) + len(scales)] if norm is not None else None
-        if not dist:
-            return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[-1])
-        return loss_v, norm_v, bool(values[-3] > 0), loss_rank_of(values[-2], dist[1]), bool(values[-1] > 0)
-
-    def _reduce_flag(self, losses: list[tuple[torch.Tensor, torch.Tensor | float | None]],
-                     nv: torch.Tensor | None, scaler_active: bool, dist: tuple[int, int],
-                     weights: torch.Tensor | None) -> torch.Tensor:
-        """Bad on this rank (non-finite loss or gradient, a spike) and the first rank with a non-finite
-        loss, all-reduced across ranks (:func:`nanprobe.live.guard.rank_flags`): every rank skips the step any
-        rank saw."""
-        if losses:
-            device = losses[0][0].device
-        elif nv is not None:
-            device = nv.device
-        else:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-        t_loss, t_norm = self._thresholds()
-        lv = None
-        if losses:
-            lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
-                              for t, s in losses]).sum()
-        return rank_flags(lv, t_loss, None if nv is None else nv.float().to(device), t_norm, scaler_active,
-                          device, *dist, weights=None if weights is None else weights.to(device))
+            core.reset()
 
     def _update_born(self, step: int, record: StepRecord, rank: int, world: int,
                      optimizers: list[torch.optim.Optimizer]) -> bool:
         """The update of checked step ``step`` made weights non-finite (seen at the next check): that step
         is the bad one. No rerun can start before an applied update: the report is made from the live
         optimizer (parameter, LR, state); the current step's update is skipped and training stops."""
-        self.consecutive += 1
-        names = {id(q): n for n, q in self.model.named_parameters()}
-        upd = update_forensics(optimizers, names)
+        upd, reason = self.core.update_born(step, optimizers, world)
         rows = upd.get("nonfinite_parameters")
-        reason = describe(upd, step) if rows else f"the optimizer update of step {step} made the weights " \
-                                                  "non-finite" + (" on another rank" if world > 1 else "")
         record = dataclasses.replace(record, step=step, finite=False)
         report = None
         if rows and self.reports < self.max_reports:
@@ -397,36 +243,30 @@ class HookedGuard:
     def _update_report(self, upd: dict[str, Any], step: int) -> Report:
         first = upd["nonfinite_parameters"][0]
         finding = update_finding(upd, step)
-        since = self.updates.since(step)
+        since = self.core.updates.since(step)
         if since is not None:
             finding = dataclasses.replace(finding, evidence=(*finding.evidence, since))
         origin = Origin(phase=Phase.UPDATE, module=finding.module, op=None, precision=str(first.get("dtype")),
                         kind=first.get("kind"), parameter=first["parameter"])
         return Report(command=self.command, entry=self.entry or "ENTRY", step=step, status=Status.NONFINITE,
                       device=str(device_of(self.model)), precision=str(first.get("dtype")), origin=origin,
-                      findings=(finding,), history=tuple(self.history),
+                      findings=(finding,), history=tuple(self.core.history),
                       reached_by=f"{self.who} in the training process: the weights right after the update of "
                                  f"step {step}",
                       notes=(f"caught in the check of a later step; the state before this "
                              f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
                              "the step from your checkpoint or step 0 and reruns the update instrumented",))
 
-    def _bad(self, step: int, status: Status, reason: str, local: bool, record: StepRecord,
-             position: Position | None, rank: int, world: int, settings: dict[str, Any]) -> bool:
-        self.consecutive += 1
-        if self.policy != "record" and self._shadow:
-            torch._foreach_copy_(self._buffers, self._shadow)   # BatchNorm statistics as before the step
-        corrupt = not weights_finite(self.model)   # rare path: a sync here is fine
-        if corrupt:
-            local = True
-            reason = (f"{reason}, and the weights were already non-finite before this step: the optimizer update "
-                      f"of step {max(step - 1, 0)} made them so (skipping cannot undo an applied update)")
+    def _bad(self, v: Verdict, position: Position | None, settings: dict[str, Any]) -> bool:
+        core = self.core
+        corrupt = core.caught(v, self.policy)
+        step, local = v.record.step, v.local
         target = self.build_target()
         loop = Loop(target, self.entry or f"<{self.command}>", target.precision)
         loop.objects.storage = storage_policy(self.cfg.replay)
-        items = [clone_batch(b) for b in self._items]
-        rng_after = list(self._rng_after)
-        rng = rng_after[0] if rng_after else self.rngs.capture()
+        items = [clone_batch(b) for b in core.items]
+        rng_after = list(core.rng_after)
+        rng = rng_after[0] if rng_after else core.rngs.capture()
         # a step only another rank saw is finite here: the rank that saw it diagnoses it
         undiagnosed = None
         if sharded(self.model) or fsdp1_root(self.model) is not None:
@@ -434,54 +274,40 @@ class HookedGuard:
                            "step alone; replay the capsule (`nanprobe run` loads its full weights on one process)")
         elif local and self.reports >= self.max_reports:
             undiagnosed = "not diagnosed in-process: max_reports reached; its replay command follows"
-        before = self._take_before(loop, rng) if local and undiagnosed is None else None
+        before = core.at_start(lambda: loop.objects.take(rng=rng)) if local and undiagnosed is None else None
         if before is not None:
             self.reports += 1
         path = note = None
         if not corrupt:
             try:
-                path = self._write_capsule(loop, items, rng, rng_after, step, status, reason, record, position,
-                                           rank, world, local, settings)
+                path = self._write_capsule(loop, items, rng, rng_after, v, position, settings)
             except OSError as exc:
                 note = f"capsule not written: {exc.strerror or exc}"
-        self.pending = Pending(step=step, status=status, reason=reason, local=local, record=record,
-                                history=list(self.history), loop=loop, before=before, items=items,
-                                rng_after=rng_after, position=position, capsule=path, capsule_note=note,
-                                corrupt=corrupt, rank=rank, world=world, undiagnosed=undiagnosed)
+        self.pending = Pending(step=step, status=v.status, reason=v.reason or "bad step", local=local,
+                               record=v.record, history=list(core.history), loop=loop, before=before, items=items,
+                               rng_after=rng_after, position=position, capsule=path, capsule_note=note,
+                               corrupt=corrupt, rank=v.rank, world=v.world, undiagnosed=undiagnosed)
         # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
-        self.history.append(record)
+        core.history.append(v.record)
         if self.on_bad is not None:
             self.on_bad(self.pending)
         return self.policy != "record"
 
-    def _take_before(self, loop: Loop, rng: dict[str, Any]) -> Snapshot:
-        """The state before the step: now (no update ran, buffers restored), with the step's start RNG
-        and the module attributes as the step found them."""
-        now = {qual: getattr(m, attr, None) for m, attr, qual in (self._attrs or ())}
-        try:
-            for m, attr, qual in self._attrs or ():
-                if qual in self._carried:
-                    setattr(m, attr, self._carried[qual])
-            return loop.objects.take(rng=rng)
-        finally:
-            for m, attr, qual in self._attrs or ():
-                setattr(m, attr, now[qual])
-
-    def _write_capsule(self, loop: Loop, items, rng, rng_after, step, status, reason, record, position, rank,
-                       world, local, settings: dict[str, Any]) -> Path | None:
+    def _write_capsule(self, loop: Loop, items, rng, rng_after, v: Verdict, position: Position | None,
+                       settings: dict[str, Any]) -> Path | None:
         if _capsule.no_room(self.capsules, self.gcfg.max_capsules):
             return None
         target = loop.target
-        carried = _capsule.carried_attrs(self._carried)
+        carried = _capsule.carried_attrs(self.core.carried)
         pos = None if position is None else {"epoch": position.epoch, "index": position.index,
                                              "items": list(position.items)}
         data = _capsule.build(model=target.model, optimizers=[o for _, o in target.optimizers],
                               schedulers=[s for _, s in target.schedulers],
                               scalers=[s for _, s in loop.objects.scalers()], micro_batches=items, rng=rng,
-                              micro_rng=rng_after, step=step, precision=target.precision, status=status.value,
-                              reason=reason, record=_capsule.record_dict(record),
-                              history=[_capsule.record_dict(h) for h in self.history], entry=self.entry, rank=rank,
-                              world_size=world, local=local, position=pos, carried=carried, form=target.form,
+                              micro_rng=rng_after, step=v.record.step, precision=target.precision,
+                              status=v.status.value, reason=v.reason or "bad step", record=_capsule.record_dict(v.record),
+                              history=[_capsule.record_dict(h) for h in self.core.history], entry=self.entry,
+                              rank=v.rank, world_size=v.world, local=v.local, position=pos, carried=carried, form=target.form,
                               **settings)
         path = _capsule.write(data, self.dirpath, model=target.model,
                               optimizers=[o for _, o in target.optimizers])
@@ -510,14 +336,7 @@ class HookedGuard:
             finally:
                 if p.before is not None:
                     p.before.release()
-        why = None
-        if p.corrupt:
-            why = "the weights are non-finite"
-        elif self.policy == "raise":
-            why = "policy 'raise'"
-        elif self.policy != "record" and self.consecutive >= self.gcfg.max_consecutive_skips:
-            why = f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
-                  f"{self.gcfg.max_consecutive_skips}"
+        why = self.core.stop_reason(self.policy, p.corrupt)
         action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
         command = (self.replay(p.step) if self.replay is not None else None) or \
             (_capsule.replay_command(self.entry, p.capsule) if p.capsule else
@@ -560,7 +379,7 @@ class HookedGuard:
                               snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
                               reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
                               compiled=_capsule.compiled_graphs() > 0,
-                              trend=self.monitor.trend if self.monitor is not None else None,
+                              trend=self.core.monitor.trend if self.core.monitor is not None else None,
                               **scheduler_info(target))
             loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
                             path=None, lineno=None)
@@ -583,17 +402,6 @@ class HookedGuard:
         stem = _capsule.report_stem(p.capsule, p.rank) if p.capsule else \
             f"step{p.step:07d}-rank{p.rank}-{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         return write_new(self.dirpath, stem, data)
-
-
-def _f32(x: float) -> float:
-    """x rounded to float32: a float64 sum of two float32 values is exact, so rounding it gives what a
-    float32 add gives (the loss the reruns report is a float32 sum of the same values)."""
-    if not math.isfinite(x):
-        return x
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:   # beyond float32's range: a float32 add gives inf
-        return math.copysign(math.inf, x)
 
 
 def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str] | None = None) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from ..capsule import compiled_graphs, unwrap
 from ..live.events import current_lr, skip_update, total_norm
-from ..live.hooked import _f32
+from ..live.core import _f32
 from ..locate.instrument import LOSS_FN, OriginTracker, _anomaly_source
 from ..base.precision import Precision
 from ..base.report import Phase

@@ -66,7 +66,7 @@ def watcher_row(watcher) -> dict[str, Any]:
     """What the Watcher saw so far, as the row's fields (the bootstrap adds pid, argv, exit, RANK...)."""
     # (rank, world) as the guard last read it (the process group is often gone by exit); RANK and
     # WORLD_SIZE, where the launcher set them, come first (the bootstrap)
-    rank, world = getattr(watcher.guard, "_world", None) or (None, None)
+    rank, world = getattr(getattr(watcher.guard, "core", None), "_world", None) or (None, None)
     if world is not None and world <= 1:
         rank = world = None
     return {"steps": watcher.steps, "events": [dataclasses.asdict(e) for e in watcher.events],

@@ -182,7 +182,7 @@ class Watcher:
         for module, args, kwargs, autocast, rng, loss in first:
             if module is best:
                 self._note_call(args, kwargs, autocast)
-                rngs = self.guard._rng_after
+                rngs = self.guard.core.rng_after
                 if rngs:   # the RNG as it was at that call, not now
                     rngs[-1] = dict(rngs[-1], **rng)
                 self._note_out(loss)
@@ -486,12 +486,12 @@ class Watcher:
         opt = self.optimizer
         use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
         scheds = [s for s in list(self.schedulers) if use_opt and getattr(s, "optimizer", None) is opt]
-        items = [it for it in self.guard._items if isinstance(it, dict)]
+        items = [it for it in self.guard.core.items if isinstance(it, dict)]
         dtype = items[0].get("autocast") if items else None
         precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(dtype, Precision.FP32)
         return validate({"model": model, "step_fn": ForwardStep(self._device_type), "batches": [],
                          "optimizer": opt if use_opt else None, "scheduler": scheds or None,
-                         "precision": precision, "accumulate": max(len(self.guard._items), 1)}, "nanprobe watch")
+                         "precision": precision, "accumulate": max(len(self.guard.core.items), 1)}, "nanprobe watch")
 
 
 __all__ = ["Watcher", "POLICIES"]

@@ -1,0 +1,429 @@
+"""The step core: what is decided about one live training step, however nanprobe sees it.
+
+``nanprobe.Guard`` (the user's own loop calls it), the hook-driven guard (``watch`` and the Lightning and
+transformers callbacks) translate their events into the core's:
+
+* :meth:`StepCore.begin` per micro-batch: the batch by reference, the RNG state when the step reached it;
+  the first one also copies persistent buffers (BatchNorm statistics) and module tensor attributes;
+* :meth:`StepCore.note_loss` per backward: the loss, detached, no sync;
+* :meth:`StepCore.check` before the update: the loss, the global gradient norm and the last applied
+  update's weights flag read back in ONE device sync (under ``torch.distributed`` the bad flags are
+  all-reduced in that same sync, so every rank decides the same), then judged by the divergence model of
+  replay and smoke; the update-born check names an earlier update that made the weights non-finite;
+* :meth:`StepCore.passed` after a good step (the precursor monitor, the history), :meth:`StepCore.applied`
+  after its update (the weights flag queued for the next check), :meth:`StepCore.caught` on a bad one
+  (buffers put back unless the policy records, weights already non-finite found out).
+
+What follows a verdict (skip, raise, record, write a capsule, diagnose in-process) is the adapter's: the
+policy is a parameter of the adapter, not a kind of core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..base.config import Config, GuardConfig
+from ..base.errors import UsageError
+from ..base.report import Status, StepRecord
+from ..base.sharding import fsdp1_root, full_value, weights_finite
+from ..base.sharding import total_norm as group_norm
+from ..judge.divergence import Judge
+from ..judge.monitor import close_step, live_monitor
+from ..judge.updates import UpdateCheck, describe, update_forensics
+from ..reach.feed import Position
+from ..reach.state import RngTracker, module_tensor_attrs
+from ..capsule import unwrap
+from ..base.precision import device_of
+
+RNG_MODES = ("auto", "all", "torch")
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size) under torch.distributed, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_flags(loss: torch.Tensor | None, t_loss: float, norm: torch.Tensor | None, t_norm: float,
+               scaler_active: bool, device: torch.device, rank: int, world: int,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[bad, first non-finite loss, weights], all-reduced (MAX) over the default group: every rank skips
+    the step any rank saw, learns the lowest rank whose own loss was non-finite (coded ``world - rank``;
+    0: none), whose gradients every other rank received through the gradient reduction, and whether the
+    last update made any rank's weights non-finite (``weights``: that rank's weights flag). Plain
+    tensors on ``device`` (never DTensors: a DTensor norm is reduced over its own mesh first)."""
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    loss_bad = torch.zeros((), dtype=torch.bool, device=device)
+    if loss is not None:
+        loss_bad = ~torch.isfinite(loss)
+        bad = bad | loss_bad | (loss > t_loss)
+    if norm is not None:
+        ok = torch.isfinite(norm)
+        bad = bad | (ok & (norm > t_norm))
+        if not scaler_active:
+            bad = bad | ~ok
+    weights_bad = ~torch.isfinite(weights) if weights is not None else torch.zeros((), dtype=torch.bool,
+                                                                                   device=device)
+    flag = torch.stack([bad.float(), loss_bad.float() * (world - rank), weights_bad.float()])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag
+
+
+def loss_rank_of(code: float, world: int) -> int | None:
+    return world - int(code) if code > 0 else None
+
+
+def rank_reason(reason: str, loss_rank: int) -> str:
+    return f"{reason}: rank {loss_rank}'s loss was non-finite and its gradients reached every rank"
+
+
+def check_guard_config(cfg: GuardConfig, where: str) -> None:
+    """The guard: settings a config file cannot check by type alone."""
+    if cfg.rng_states not in RNG_MODES:
+        raise UsageError(f"guard.rng_states is {cfg.rng_states!r}", where, f"Use one of: {', '.join(RNG_MODES)}")
+    if cfg.check_every < 1:
+        raise UsageError(f"guard.check_every is {cfg.check_every}", where,
+                         "Use 1 to check every step, or k to check every k-th step")
+    if cfg.check_updates_every < 1:
+        raise UsageError(f"guard.check_updates_every is {cfg.check_updates_every}", where,
+                         "Use 1 to read the weights after every checked update, or k for every k-th")
+
+
+def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
+    """The first optimizer's first group's LR as a float (None for a tensor LR off the CPU: no sync)."""
+    if not optimizers or not optimizers[0].param_groups:
+        return None
+    lr = optimizers[0].param_groups[0].get("lr")
+    if isinstance(lr, torch.Tensor):
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None
+    return float(lr) if isinstance(lr, (int, float)) else None
+
+
+def grads_of(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    return [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
+@dataclasses.dataclass(slots=True)
+class Verdict:
+    """What the check decided about a step before its update."""
+
+    status: Status
+    reason: str | None
+    local: bool                  # this rank saw it itself (False: another rank did)
+    record: StepRecord
+    rank: int
+    world: int
+    # an earlier applied update made the weights non-finite: (its step, its optimizers); that step is the bad one
+    update_born: tuple[int, list[torch.optim.Optimizer]] | None = None
+
+    @property
+    def bad(self) -> bool:
+        return self.status is not Status.FINITE or self.update_born is not None
+
+
+class StepCore:
+    """One live run's step state and judgement (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, precision: Any, logger: Any):
+        self.cfg = cfg
+        self.gcfg = cfg.guard
+        self.model = model
+        self.module = unwrap(model)
+        self.logger = logger
+        self.judge = Judge(self.gcfg)   # the divergence model of replay and smoke, with the guard: thresholds
+        self.device_type = device_of(self.module).type
+        self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
+        self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
+        self.updates = UpdateCheck(self.gcfg.check_updates_every)   # which updates' weights were read
+        self.monitor = live_monitor(self.module, cfg, precision)    # the precursor monitor
+        self.warnings: list[dict[str, Any]] = []                     # its one early warning
+        self.consecutive = 0
+        self.checks = 0
+        self.items: list[Any] = []                 # the step's micro-batches, by reference
+        self.rng_after: list[dict[str, Any]] = []  # the RNG state as the step reached each micro-batch
+        self.losses: list[tuple[torch.Tensor, torch.Tensor | float | None]] = []   # (detached loss, its scale)
+        self.checked = True                        # the step in progress is checked (guard.check_every)
+        self.attrs: list[tuple[torch.nn.Module, str, str]] | None = None   # tensors modules keep as attributes
+        self.carried: dict[str, Any] = {}          # their values at the step's start
+        self._world: tuple[int, int] | None = None
+        self._update: tuple[int, torch.Tensor, list] | None = None   # the last checked update's weights flag
+        self._update_optimizers: list[torch.optim.Optimizer] = []     # those of the last applied update
+        self._buffers = [b for m in self.module.modules() for name, b in m._buffers.items()
+                         if b is not None and name not in m._non_persistent_buffers_set]
+        self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+
+    # -- capture --------------------------------------------------------------------------------------
+
+    @property
+    def in_step(self) -> bool:
+        return bool(self.items)
+
+    def begin(self, step: int, batch: Any) -> None:
+        """A micro-batch of step ``step`` is about to run (the first one starts the step)."""
+        if not self.items:
+            if self.monitor is not None:
+                self.monitor.begin(step)
+            self.checked = step % self.gcfg.check_every == 0
+            if self.checked:
+                self.rngs.begin_step()
+                if self._buffers:
+                    torch._foreach_copy_(self._shadow, self._buffers)
+                if self.attrs:
+                    self.carried = {qual: getattr(m, attr, None) for m, attr, qual in self.attrs}
+        if self.checked:
+            self.rng_after.append(self.rngs.capture())
+        self.items.append(batch)
+
+    def note_loss(self, loss: torch.Tensor, scale: torch.Tensor | float | None = None) -> None:
+        """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by).
+        Kept detached; read back with the norm in the check's one sync."""
+        if not self.checked or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        self.losses.append((loss.detach(), scale))
+
+    def reset(self) -> None:
+        """The step is over (checked or not): drop what was captured for it."""
+        if self.monitor is not None:
+            self.monitor.abort()   # a step that did not finish cleanly drops its statistics
+        self.items, self.rng_after, self.losses = [], [], []
+
+    def world(self) -> tuple[int, int]:
+        if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
+            self._world = distributed()
+        return self._world
+
+    # -- the check ------------------------------------------------------------------------------------
+
+    def norm(self, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor | None:
+        """The global gradient norm of the optimizers' gradients (FSDP1: the shard norms summed over its
+        process group)."""
+        if fsdp1_root(self.model) is not None:
+            return group_norm(self.model, grads_of(optimizers))
+        return total_norm(grads_of(optimizers))
+
+    def check(self, step: int, optimizers: list[torch.optim.Optimizer], norm: torch.Tensor | float | None,
+              scaler: torch.amp.GradScaler | None, position: Position | None = None) -> Verdict:
+        """Judge the checked step ``step`` before its update: one device sync (a GradScaler skip reads its
+        scale, one more, on that step only). ``scaler``: the loop's enabled GradScaler, if any."""
+        self.checks += 1
+        self.rngs.end_step()
+        if self.attrs is None:   # after the first forward: tensors modules keep as attributes
+            self.attrs = module_tensor_attrs(self.module)
+        norm = full_value(norm)   # FSDP2: the global norm, reduced over the gradients' own mesh
+        update, self._update = self._update, None
+        rank, world = self.world()
+        loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
+            norm, scaler is not None, (rank, world) if world > 1 else None, update[1] if update is not None else None)
+        lr = current_lr(optimizers)
+        skipped = scaler is not None and norm_v is not None and not math.isfinite(norm_v)
+        # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
+        scale = float(scaler.get_scale()) if skipped else None
+        finite = (loss_v is None or math.isfinite(loss_v)) and (norm_v is None or math.isfinite(norm_v) or skipped)
+        record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=lr, update_ratio=None, finite=finite,
+                            skipped=skipped, scale=scale, epoch=position.epoch if position else None,
+                            index=position.index if position else None)
+        status, reason = self.judge.judge(record, params_finite=True)
+        local = True
+        if status is Status.FINITE and others_bad:
+            status, reason, local = Status.NONFINITE, "another rank saw a non-finite value or spike at this step", \
+                False
+        elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
+            # this rank's loss is finite: its non-finite gradients came through the gradient reduction
+            reason, local = rank_reason(reason or "bad step", loss_rank), False
+        verdict = Verdict(status=status, reason=reason, local=local, record=record, rank=rank, world=world)
+        # the flag is the largest L2 norm: finite weights whose squares pass 3.4e38 (a 1e38 sentinel row) read
+        # as inf there; the exact check confirms it (rare path, every rank is here: the flag was reduced)
+        weights_bad = weights_bad and not weights_finite(self.model)
+        if update is not None:
+            self.updates.read(update[0], not weights_bad)
+        if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
+            verdict.update_born = (update[0], update[2])
+            return verdict
+        unread = self.updates.unread() if status is not Status.FINITE else None
+        if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
+            verdict.update_born = (unread, self._update_optimizers or optimizers)
+        return verdict
+
+    def unchecked(self) -> None:
+        """A step that is not checked (guard.check_every) ran its update."""
+        self.updates.unchecked()
+
+    def passed(self, verdict: Verdict, optimizers: list[torch.optim.Optimizer],
+               scaler: torch.amp.GradScaler | None) -> None:
+        """A checked step was judged good (a GradScaler's normal skip too): the precursor monitor, the
+        divergence model's statistics, the history."""
+        r = verdict.record
+        if not r.skipped:
+            w = close_step(self.monitor, r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr, scaler=scaler,
+                           optimizers=optimizers, logger=self.logger)
+            if w is not None:
+                self.warnings.append(w)
+            self.consecutive = 0
+        self.judge.add(r)
+        self.history.append(r)
+
+    def applied(self, step: int, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The update of checked good step ``step`` ran: on every ``guard.check_updates_every``-th, its
+        weights flag (no sync) is read in the next check's one sync."""
+        self._update_optimizers = optimizers
+        flag = self.updates.applied_update(step, optimizers)
+        self._update = (step, flag, optimizers) if flag is not None else None
+
+    def final_update(self) -> tuple[int, list[torch.optim.Optimizer]] | None:
+        """Training ended: the last checked update's weights flag (one sync). (step, optimizers) of that
+        update when it made weights non-finite, else None."""
+        update, self._update = self._update, None
+        if update is not None:
+            if math.isfinite(float(update[1])):
+                self.updates.read(update[0], True)
+                return None
+            return update[0], update[2]
+        step = self.updates.unread()   # the last updates were not read (check_updates_every): read the weights
+        if step is None or weights_finite(self.model):
+            return None
+        return step, self._update_optimizers
+
+    def update_born(self, step: int, optimizers: list[torch.optim.Optimizer], world: int
+                    ) -> tuple[dict[str, Any], str]:
+        """The update of step ``step`` made the weights non-finite: the live optimizer's forensics
+        (parameter, LR, state) and the reason to report."""
+        self.consecutive += 1
+        names = {id(q): n for n, q in self.module.named_parameters()}
+        upd = update_forensics(optimizers, names)
+        reason = describe(upd, step) if upd.get("nonfinite_parameters") else \
+            f"the optimizer update of step {step} made the weights non-finite" + (" on another rank" if world > 1
+                                                                                   else "")
+        return upd, reason
+
+    def caught(self, verdict: Verdict, policy: str) -> bool:
+        """A bad step (not update-born): the run of bad steps grows, persistent buffers are put back as
+        before the step unless the policy records it, and the weights are read exactly (rare path: a sync
+        here is fine). True when they were already non-finite: ``verdict`` then says so."""
+        self.consecutive += 1
+        if policy != "record" and self._shadow:
+            torch._foreach_copy_(self._buffers, self._shadow)   # BatchNorm statistics as before the step
+        if weights_finite(self.model):
+            return False
+        verdict.local = True
+        verdict.reason = (f"{verdict.reason}, and the weights were already non-finite before this step: the "
+                          f"optimizer update of step {max(verdict.record.step - 1, 0)} made them so (skipping cannot "
+                          "undo an applied update)")
+        return True
+
+    def stop_reason(self, policy: str, corrupt: bool) -> str | None:
+        """Why training must stop after a bad step (None: go on)."""
+        if corrupt:
+            return "the weights are non-finite"
+        if policy == "raise":
+            return "policy 'raise'"
+        if policy != "record" and self.consecutive >= self.gcfg.max_consecutive_skips:
+            return f"{self.consecutive} bad steps in a row, guard.max_consecutive_skips is " \
+                   f"{self.gcfg.max_consecutive_skips}"
+        return None
+
+    def at_start(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with the module tensor attributes as the step found them (then back as they are)."""
+        now = {qual: getattr(m, attr, None) for m, attr, qual in (self.attrs or ())}
+        try:
+            for m, attr, qual in self.attrs or ():
+                if qual in self.carried:
+                    setattr(m, attr, self.carried[qual])
+            return fn()
+        finally:
+            for m, attr, qual in self.attrs or ():
+                setattr(m, attr, now[qual])
+
+    # -- the one sync ---------------------------------------------------------------------------------
+
+    def thresholds(self) -> tuple[float, float]:
+        """The divergence model's cut-offs for this step (for the on-device flag all ranks reduce): a
+        value above them may be a spike, one below never is."""
+        return self.judge.model.loss_cut(), self.judge.model.norm_cut()
+
+    def _read(self, norm: torch.Tensor | float | None, scaler_active: bool, dist: tuple[int, int] | None,
+              weights: torch.Tensor | None) -> tuple[float | None, float | None, bool, int | None, bool]:
+        """The step's losses (their sum), the norm, the last update's weights flag and, under
+        torch.distributed (``(rank, world)``), the all-reduced bad flags (any rank's step, the first rank
+        with a non-finite loss, any rank's weights) to the host in one sync: one ``stack`` and one
+        ``tolist`` (few ops: each costs microseconds)."""
+        losses = self.losses
+        given = None if norm is None or isinstance(norm, torch.Tensor) else float(norm)   # the caller's number
+        norm_t = norm if isinstance(norm, torch.Tensor) else None
+        parts: list[torch.Tensor] = [t for t, _ in losses]
+        scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
+        parts += scales
+        if norm_t is not None:
+            parts.append(norm_t.detach())
+        if weights is not None and not dist:
+            parts.append(weights)
+        if not parts:
+            if not dist:
+                return None, given, False, None, False
+            flags = self._reduce_flag(None, given, scaler_active, dist, weights).tolist()
+            return None, given, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1]), bool(flags[2] > 0)
+        device = parts[0].device
+        if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
+            parts = [t.float().reshape(()).to(device) for t in parts]
+        stacked = torch.stack(parts)
+        if dist:
+            nv = stacked[len(losses) + len(scales)] if norm_t is not None else given
+            stacked = torch.cat([stacked, self._reduce_flag(device, nv, scaler_active, dist, weights)])
+        values = stacked.tolist()   # the one device sync
+        loss_v = None
+        it = iter(values[len(losses):len(losses) + len(scales)])
+        for (_, scale), v in zip(losses, values):   # float32 sums as torch adds them, exactly (see _f32)
+            if isinstance(scale, torch.Tensor):
+                v = _f32(v / next(it))
+            elif scale is not None:
+                v = _f32(v / scale)
+            loss_v = v if loss_v is None else _f32(loss_v + v)
+        norm_v = values[len(losses) + len(scales)] if norm_t is not None else given
+        if not dist:
+            return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[-1])
+        return loss_v, norm_v, bool(values[-3] > 0), loss_rank_of(values[-2], dist[1]), bool(values[-1] > 0)
+
+    def _reduce_flag(self, device: torch.device | None, nv: torch.Tensor | float | None, scaler_active: bool,
+                     dist: tuple[int, int], weights: torch.Tensor | None) -> torch.Tensor:
+        """Bad on this rank (non-finite loss or gradient, a spike) and the first rank with a non-finite
+        loss, all-reduced across ranks (:func:`rank_flags`): every rank skips the step any rank saw."""
+        if device is None:
+            device = nv.device if isinstance(nv, torch.Tensor) else (
+                torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl"
+                else torch.device("cpu"))
+        if nv is not None and not isinstance(nv, torch.Tensor):
+            nv = torch.tensor(float(nv), device=device)
+        t_loss, t_norm = self.thresholds()
+        lv = None
+        if self.losses:
+            lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
+                              for t, s in self.losses]).sum()
+        return rank_flags(lv, t_loss, None if nv is None else nv.float().to(device), t_norm, scaler_active,
+                          device, *dist, weights=None if weights is None else weights.to(device))
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32: a float64 sum of two float32 values is exact, so rounding it gives what a
+    float32 add gives (the loss the reruns report is a float32 sum of the same values)."""
+    if not math.isfinite(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:   # beyond float32's range: a float32 add gives inf
+        return math.copysign(math.inf, x)
+
+
+__all__ = ["StepCore", "Verdict", "distributed", "rank_flags", "loss_rank_of", "rank_reason", "check_guard_config",
+           "current_lr", "grads_of", "total_norm", "RNG_MODES"]
