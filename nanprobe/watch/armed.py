@@ -18,8 +18,9 @@ from ..locate.instrument import LOSS_FN, OriginTracker, _anomaly_source
 from ..base.precision import Precision
 from ..base.report import Phase
 from ..base.sharding import weights_finite
-from ..reach.step import Loop, Patch
+from ..reach.step import Loop
 from ..reach.target import validate
+from .hooks import ScriptHooks, unscale_ready
 from ..reach.forward import ForwardStep, autocast_dtype, batch_of, device_of_module
 
 
@@ -61,14 +62,14 @@ class _LiveTracker(OriginTracker):
             self.outside.pop()
 
 
-class StepHooks:
+class StepHooks(ScriptHooks):
     """Counts the guarded optimizer's steps as ``watch`` does; instruments step ``at`` only."""
 
     def __init__(self, at: int, skipped: Sequence[int] = ()):
+        super().__init__()
         self.at = at
         self.skipped = set(skipped)
         self.steps = 0
-        self.optimizer: torch.optim.Optimizer | None = None
         self.root: torch.nn.Module | None = None
         self.tracker: _LiveTracker | None = None
         self.loop: Loop | None = None
@@ -76,7 +77,6 @@ class StepHooks:
         self.items: list[Any] = []
         self.autocast: str | None = None
         self.losses: list[torch.Tensor] = []
-        self.scaled: set[int] = set()
         self.clip: torch.Tensor | None = None
         self.loss: float | None = None
         self.norm: float | None = None
@@ -85,10 +85,7 @@ class StepHooks:
         self.weights_finite: bool | None = None
         self.measured = False
         self.done = False
-        self._in_scaler_step = False
         self._micro = 0
-        self._patches: list[Patch] = []
-        self._hooks: list[Any] = []
         self._arm_hook: Any = None
         self._outside_hooks: list[Any] = []
         self._anomaly: Any = None
@@ -100,32 +97,22 @@ class StepHooks:
     def armed(self) -> bool:
         return self.tracker is not None and not self.done
 
+    def active(self) -> bool:
+        return not self.done
+
+    def listening(self) -> bool:
+        return self.armed
+
     # -- install / remove --
     def __enter__(self) -> StepHooks:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-        try:
-            self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
-            self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
-            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
-            self._patches.append(Patch(torch.amp.GradScaler, "step", self._wrap_scaler_step(torch.amp.GradScaler.step)))
-            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
-            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
-            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
-            if self.at == 0:
-                self._wait()
-        except BaseException:
-            self.__exit__()
-            raise
+        self.install()
+        if self.at == 0:
+            self._wait()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._disarm()
-        for p in reversed(self._patches):
-            p.undo()
-        for h in self._hooks:
-            h.remove()
-        self._patches, self._hooks = [], []
+        self.uninstall()
 
     # -- arming at step N's first root forward --
     def _wait(self) -> None:
@@ -206,115 +193,44 @@ class StepHooks:
             self._stance = None
 
     # -- the script's calls --
-    def _wrap_backward(self, original):
-        hooks = self
+    def on_loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach())
 
-        def backward(tensors, *args, **kwargs):
-            if hooks.armed:
-                for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in hooks.scaled:
-                        hooks.losses.append(t.detach())
-                if hooks.tracker.phase is Phase.FORWARD:
-                    hooks.tracker.set_phase(Phase.BACKWARD)
-            return original(tensors, *args, **kwargs)
-        return backward
+    def on_backward(self) -> None:
+        if self.tracker.phase is Phase.FORWARD:
+            self.tracker.set_phase(Phase.BACKWARD)
 
-    def _wrap_scale(self, original):
-        hooks = self
+    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        self.clip = norm
 
-        def scale(scaler, outputs):
-            out = original(scaler, outputs)
-            if hooks.armed and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                hooks.scaled.add(id(out))
-                hooks.losses.append(outputs.detach())
-            return out
-        return scale
-
-    def _wrap_clip(self, original):
-        hooks = self
-
-        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-            norm = original(parameters, max_norm, *args, **kwargs)
-            if hooks.armed and isinstance(norm, torch.Tensor):
-                hooks.clip = norm.detach()
-            return norm
-        return clip_grad_norm_
-
-    def _wrap_scaler_step(self, original):
-        from torch.amp.grad_scaler import OptState
-        hooks = self
-
-        def step(scaler, optimizer, *args, **kwargs):
-            guarded = not hooks.done and scaler.is_enabled() and \
-                (hooks.optimizer is None or optimizer is hooks.optimizer) and "closure" not in kwargs
-            if not guarded:
-                return original(scaler, optimizer, *args, **kwargs)
-            hooks.optimizer = optimizer
-            if hooks.steps == hooks.at or hooks.steps in hooks.skipped:
-                if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-                    scaler.unscale_(optimizer)   # as watch does: the check sees unscaled gradients
-            if hooks.steps in hooks.skipped:
-                skip_update([optimizer], scaler)
-            if hooks.armed:
-                hooks._measure(optimizer, scaler)
-            hooks._in_scaler_step = True
-            try:
-                out = original(scaler, optimizer, *args, **kwargs)
-            finally:
-                hooks._in_scaler_step = False
-            hooks._step_done()
-            return out
-        return step
-
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self.done:
-            return None
-        if self.optimizer is None:
-            self.optimizer = opt
-        if opt is not self.optimizer:
-            return None
-        if self._in_scaler_step:   # counted (and measured) in GradScaler.step
-            if self.armed:
-                self._begin_update(opt)
-            return None
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure):
-            # step N's forward may run inside the closure (Lightning): wrapped before the tracker is armed
-            return self._wrap_closure(opt, closure, args, kwargs) if self.steps == self.at \
-                or self.steps in self.skipped else None
+    def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        if self.steps == self.at or self.steps in self.skipped:
+            unscale_ready(scaler, optimizer)   # as watch does: the check sees unscaled gradients
         if self.steps in self.skipped:
-            skip_update([opt])
+            skip_update([optimizer], scaler)
         if self.armed:
-            self._measure(opt, None)
-            self._begin_update(opt)
-        return None
+            self._measure(optimizer, scaler)
 
-    def _wrap_closure(self, opt, closure, args, kwargs):
-        hooks = self
+    def update_begins(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.armed:
+            self._begin_update(optimizer)
 
-        step, first = self.steps, [True]
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.closure_evaluated(optimizer)
 
-        def guarded():
-            loss = closure()
-            if first[0]:   # the step's own evaluation (watch checks it); the line search's come later
-                first[0] = False
-                if step in hooks.skipped:
-                    skip_update([opt])   # watch dropped this step's gradients here: the optimizer stops
-                if hooks.armed:
-                    hooks._measure(opt, None)
-                    hooks._begin_update(opt)
-            return loss
+    def wants_closure(self) -> bool:
+        # step N's forward may run inside the closure (Lightning): wrapped before the tracker is armed
+        return self.steps == self.at or self.steps in self.skipped
 
-        if "closure" in kwargs:
-            return args, dict(kwargs, closure=guarded)
-        return (args[0], guarded, *args[2:]), kwargs
+    def closure_evaluated(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's own evaluation (watch checks it); the line search's come later."""
+        if self.steps in self.skipped:
+            skip_update([optimizer])   # watch dropped this step's gradients here: the optimizer stops
+        if self.armed:
+            self._measure(optimizer, None)
+            self._begin_update(optimizer)
 
-    def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.done or opt is not self.optimizer or self._in_scaler_step:
-            return
-        self._step_done()
-
-    def _step_done(self) -> None:
+    def step_done(self) -> None:
         step = self.steps
         self.steps += 1
         if self.armed and step == self.at:

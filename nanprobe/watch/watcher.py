@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from ..base.config import Config
 from ..reach.feed import Position
@@ -27,6 +26,7 @@ from ..reach.state import capture_rng
 from ..reach.step import Patch
 from ..reach.target import Target, validate
 from ..judge.updates import update_finding, update_forensics
+from .hooks import ScriptHooks, unscale_ready
 from .record import at_command, record_json, write_run_record
 from ..reach.forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
@@ -62,11 +62,12 @@ class _RootHook:
         return functools.partial, (sys.audit, "nanprobe.watch.inert_hook")
 
 
-class Watcher:
+class Watcher(ScriptHooks):
     """Global hooks and scoped patches that guard the script's training (see the module docstring)."""
 
     def __init__(self, *, config: Config, policy: str, dirpath: str | os.PathLike, entry: str | None,
                  max_reports: int = 1, argv: Sequence[str] | None = None, start: dict[str, Any] | None = None):
+        super().__init__()
         self.cfg = config
         self.argv = list(argv) if argv is not None else None   # the watched command (python train.py ARGS)
         self.start = start                        # the script's start RNG states (written with the first report)
@@ -78,25 +79,20 @@ class Watcher:
         self.dirpath = dirpath
         self.entry = entry
         self.guard: HookedGuard | None = None
-        self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
         self.root: torch.nn.Module | None = None
         self.steps = 0
         self.events: list[HookEvent] = []
         self.notes: list[str] = []
         self.schedulers: weakref.WeakSet = weakref.WeakSet()
-        self._optimizer_hooks: list[Any] = []
         self._module_hooks: list[Any] = []        # global, first step only
         self._root_hooks: list[Any] = []
-        self._patches: list[Patch] = []
         self._depth = 0
         self._first: list[list[Any]] = []   # step 0's top-level calls: [module, args, kwargs, autocast, rng, loss]
         self._early_losses: list[torch.Tensor] = []   # backpropagated before the guard existed (step 0)
         self._losses: list[torch.Tensor] = []     # the root output's loss per call in the step
         self._loss_missing = False
         self._bad_losses: tuple[list[torch.Tensor], bool] = ([], True)   # the same, of the pending bad step
-        self._scaled: set[int] = set()            # ids of GradScaler.scale outputs (noted unscaled already)
         self._checked = False                     # this step was checked already (in GradScaler.step)
-        self._in_scaler_step = False              # inside the guarded optimizer's GradScaler.step
         self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
         self._output_nodes: list[Any] = []        # grad_fn of the root's outputs in this step
         self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
@@ -107,36 +103,31 @@ class Watcher:
     # -- install / remove --
     def __enter__(self) -> Watcher:
         """Install the hooks and patches (again after an exit: the root module found before keeps its hooks)."""
-        from torch.optim.lr_scheduler import LRScheduler
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         try:
-            self._optimizer_hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
-            self._optimizer_hooks.append(register_optimizer_step_post_hook(self._opt_post))
             if self.guard is None:
                 self._module_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._any_pre))
                 self._module_hooks.append(torch.nn.modules.module.register_module_forward_hook(self._any_post,
                                                                                               always_call=True))
             elif self.root is not None:
                 self._hook_root(self.root)
-            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
-            self._patches.append(Patch(torch.amp.GradScaler, "step",
-                                        self._wrap_scaler_step(torch.amp.GradScaler.step)))
-            self._patches.append(Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__)))
-            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
-            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
-            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            self.install()
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for p in reversed(self._patches):
-            p.undo()
-        for h in self._optimizer_hooks + self._module_hooks + self._root_hooks:
+        self.uninstall()
+        for h in self._module_hooks + self._root_hooks:
             h.remove()
-        self._patches, self._optimizer_hooks, self._module_hooks, self._root_hooks = [], [], [], []
+        self._module_hooks, self._root_hooks = [], []
+
+    def extra_patches(self) -> list[Patch]:
+        from torch.optim.lr_scheduler import LRScheduler
+        return [Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__))]
+
+    def active(self) -> bool:
+        return not self.busy
 
     @property
     def busy(self) -> bool:
@@ -232,7 +223,7 @@ class Watcher:
             self._losses.append(loss.detach())
 
     # -- losses --
-    def _note_loss(self, t: torch.Tensor) -> None:
+    def on_loss(self, t: torch.Tensor) -> None:
         if self._in_closure:
             return
         if t.grad_fn is not None:
@@ -242,61 +233,17 @@ class Watcher:
         elif self.root is None:
             self._early_losses.append(t.detach())
 
-    def _wrap_backward(self, original):
-        watcher = self
+    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        self._clip = (norm, max_norm)
 
-        def backward(tensors, *args, **kwargs):
-            if not watcher.busy:
-                for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in watcher._scaled:
-                        watcher._note_loss(t)
-            return original(tensors, *args, **kwargs)
-        return backward
-
-    def _wrap_scale(self, original):
-        watcher = self
-
-        def scale(scaler, outputs):
-            out = original(scaler, outputs)
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and not watcher.busy:
-                watcher._scaled.add(id(out))
-                watcher._note_loss(outputs)
-            return out
-        return scale
-
-    def _wrap_scaler_step(self, original):
-        watcher = self
-
-        def step(scaler, optimizer, *args, **kwargs):
-            guarded = not watcher.busy and scaler.is_enabled() and \
-                (watcher.optimizer is None or optimizer is watcher.optimizer) and "closure" not in kwargs
-            if not guarded:
-                return original(scaler, optimizer, *args, **kwargs)
-            if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-                scaler.unscale_(optimizer)   # what step() does first: the check sees unscaled gradients
-            watcher._scaler = scaler
-            try:
-                watcher._check(optimizer)
-            finally:
-                watcher._scaler = None
-            watcher._checked = watcher._in_scaler_step = True
-            try:
-                out = original(scaler, optimizer, *args, **kwargs)
-            finally:
-                watcher._in_scaler_step = False
-            watcher._step_done()   # also when the scaler skipped optimizer.step(): the script's step is over
-            return out
-        return step
-
-    def _wrap_clip(self, original):
-        watcher = self
-
-        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-            norm = original(parameters, max_norm, *args, **kwargs)
-            if not watcher.busy and isinstance(norm, torch.Tensor):
-                watcher._clip = (norm.detach(), float(max_norm))
-            return norm
-        return clip_grad_norm_
+    def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        unscale_ready(scaler, optimizer)
+        self._scaler = scaler
+        try:
+            self._check(optimizer)
+        finally:
+            self._scaler = None
+        self._checked = True
 
     def _wrap_sched_init(self, original):
         watcher = self
@@ -307,36 +254,19 @@ class Watcher:
         return __init__
 
     # -- the optimizer step --
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self.busy:
-            return None
-        if self.optimizer is None:
-            self.optimizer = opt
-        if opt is not self.optimizer or self._checked:
-            return None
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, closure)
-        if callable(closure):   # LBFGS & co: the step's forward and backward happen inside step()
-            return self._guard_closure(opt, closure, args, kwargs)
-        self._check(opt)
-        return None
+    def before_step(self, opt: torch.optim.Optimizer) -> None:
+        if not self._checked:
+            self._check(opt)
 
-    def _guard_closure(self, opt: torch.optim.Optimizer, closure: Any, args: tuple,
-                       kwargs: dict) -> tuple[tuple, dict]:
-        """The closure the optimizer gets instead: its first evaluation is the step's (checked before any
-        update; a bad step's gradients dropped there: no update); later ones (LBFGS's line search) are
-        not new steps."""
-        watcher = self
+    def wants_closure(self) -> bool:
+        return not self._checked
 
-        def guarded():
-            loss = closure()
-            if not watcher._checked:
-                watcher._check(opt)
-                watcher._checked = watcher._in_closure = True
-            return loss
-
-        if "closure" in kwargs:
-            return args, dict(kwargs, closure=guarded)
-        return (args[0], guarded, *args[2:]), kwargs
+    def closure_evaluated(self, opt: torch.optim.Optimizer) -> None:
+        """A closure optimizer's first evaluation is the step's (checked before any update; a bad step's
+        gradients dropped there: no update); later ones (LBFGS's line search) are not new steps."""
+        if not self._checked:
+            self._check(opt)
+            self._checked = self._in_closure = True
 
     def _check(self, opt: torch.optim.Optimizer) -> None:
         if self.optimizer is None:
@@ -364,14 +294,9 @@ class Watcher:
         if g.pending is not None and g.pending.step == self.steps:
             self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
 
-    def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.busy or opt is not self.optimizer or self._in_scaler_step:
-            return
-        self._step_done()
-
-    def _step_done(self) -> None:
+    def step_done(self) -> None:
         self._checked = self._in_closure = False
-        self._scaled.clear()
+        self.scaled.clear()
         self._output_nodes, self._loss_nodes = [], []
         self.steps += 1
         if self.guard is not None:

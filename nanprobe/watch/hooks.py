@@ -1,0 +1,195 @@
+"""A script's training step as events, from PyTorch's global hooks and a few scoped patches.
+
+``watch`` (:class:`~nanprobe.watch.watcher.Watcher`) and ``watch --at`` (:class:`~nanprobe.watch.armed.StepHooks`)
+see the same script the same way: the global optimizer step pre/post hooks, and patches of
+``torch.autograd.backward``, ``GradScaler.scale``/``step`` and ``clip_grad_norm_`` (undone on exit). This
+base installs them and turns them into the events below; each subclass says what an event means to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from ..reach.step import Patch
+
+
+def unscale_ready(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """What ``GradScaler.step`` does first, done before it: the check sees unscaled gradients."""
+    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+
+
+class ScriptHooks:
+    """The guarded optimizer (the first that steps) and its steps, seen through global hooks."""
+
+    def __init__(self) -> None:
+        self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
+        self.scaled: set[int] = set()        # ids of this step's GradScaler.scale outputs (not losses)
+        self._in_scaler_step = False         # inside GradScaler.step: the optimizer step is its
+        self._patches: list[Patch] = []
+        self._hooks: list[Any] = []
+
+    # -- what a subclass says ---------------------------------------------------------------------------
+
+    def active(self) -> bool:
+        """The hooks act on the script's calls (False: nanprobe is rerunning, or its work is done)."""
+        return True
+
+    def listening(self) -> bool:
+        """The script's losses, backward and clip norm are taken now."""
+        return self.active()
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """A one-element tensor the script backpropagates (or hands to GradScaler.scale)."""
+
+    def on_backward(self) -> None:
+        """The script calls backward."""
+
+    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        """The script clipped its gradients: their norm before clipping."""
+
+    def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler.step of the guarded optimizer is about to run."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step() of the guarded optimizer is about to run (not inside GradScaler.step)."""
+
+    def update_begins(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step inside GradScaler.step begins."""
+
+    def wants_closure(self) -> bool:
+        """A closure optimizer's closure is wrapped (its first evaluation calls :meth:`closure_evaluated`)."""
+        return True
+
+    def closure_evaluated(self, optimizer: torch.optim.Optimizer) -> None:
+        """A closure optimizer evaluated the step's closure for the first time (its loss and gradients)."""
+
+    def step_done(self) -> None:
+        """The guarded optimizer's step (or GradScaler.step) returned: the script's step is over."""
+
+    def extra_patches(self) -> list[Patch]:
+        """More patches a subclass installs with the others."""
+        return []
+
+    # -- install / remove -------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        try:
+            self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
+            self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
+            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
+            self._patches.append(Patch(torch.amp.GradScaler, "step",
+                                       self._wrap_scaler_step(torch.amp.GradScaler.step)))
+            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
+            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            self._patches.extend(self.extra_patches())
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        for p in reversed(self._patches):
+            p.undo()
+        for h in self._hooks:
+            h.remove()
+        self._patches, self._hooks = [], []
+
+    # -- the script's calls -----------------------------------------------------------------------------
+
+    def _wrap_backward(self, original):
+        hooks = self
+
+        def backward(tensors, *args, **kwargs):
+            if hooks.listening():
+                for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in hooks.scaled:
+                        hooks.on_loss(t)
+                hooks.on_backward()
+            return original(tensors, *args, **kwargs)
+        return backward
+
+    def _wrap_scale(self, original):
+        hooks = self
+
+        def scale(scaler, outputs):
+            out = original(scaler, outputs)
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and hooks.listening():
+                hooks.scaled.add(id(out))
+                hooks.on_loss(outputs)
+            return out
+        return scale
+
+    def _wrap_clip(self, original):
+        hooks = self
+
+        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+            norm = original(parameters, max_norm, *args, **kwargs)
+            if hooks.listening() and isinstance(norm, torch.Tensor):
+                hooks.on_clip(norm.detach(), float(max_norm))
+            return norm
+        return clip_grad_norm_
+
+    def _wrap_scaler_step(self, original):
+        hooks = self
+
+        def step(scaler, optimizer, *args, **kwargs):
+            guarded = hooks.active() and scaler.is_enabled() and \
+                (hooks.optimizer is None or optimizer is hooks.optimizer) and "closure" not in kwargs
+            if not guarded:
+                return original(scaler, optimizer, *args, **kwargs)
+            hooks.optimizer = optimizer
+            hooks.before_scaler_step(scaler, optimizer)
+            hooks._in_scaler_step = True
+            try:
+                out = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                hooks._in_scaler_step = False
+            hooks.step_done()   # also when the scaler skipped optimizer.step(): the script's step is over
+            return out
+        return step
+
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not self.active():
+            return None
+        if self.optimizer is None:
+            self.optimizer = opt
+        if opt is not self.optimizer:
+            return None
+        if self._in_scaler_step:   # seen in GradScaler.step already
+            self.update_begins(opt)
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, closure)
+        if callable(closure):   # LBFGS & co: the step's forward and backward happen inside step()
+            return self._wrap_closure(opt, closure, args, kwargs) if self.wants_closure() else None
+        self.before_step(opt)
+        return None
+
+    def _wrap_closure(self, opt: torch.optim.Optimizer, closure: Any, args: tuple,
+                      kwargs: dict) -> tuple[tuple, dict]:
+        """The closure the optimizer gets instead: its first evaluation is the step's; later ones (LBFGS's
+        line search) are not new steps."""
+        hooks, first = self, [True]
+
+        def guarded():
+            loss = closure()
+            if first[0]:
+                first[0] = False
+                hooks.closure_evaluated(opt)
+            return loss
+
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=guarded)
+        return (args[0], guarded, *args[2:]), kwargs
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.active() and opt is self.optimizer and not self._in_scaler_step:
+            self.step_done()
+
+
+__all__ = ["ScriptHooks", "unscale_ready"]
