@@ -73,6 +73,27 @@ def test_example_diagnosis(name, step, cause, phase, module, device):
         assert report.step == step
     assert top.fixes, "every finding comes with at least one fix"
     assert all(f.code.strip() for f in top.fixes)
+    assert_one_screen(report)
+
+
+def assert_one_screen(report):
+    """The default console report fits one screen (40 lines at 120 columns) and names the top cause and fix;
+    --verbose keeps the rest."""
+    import io
+
+    from rich.console import Console
+
+    from nanprobe.surface.render import render_report
+
+    def rendered(verbose):
+        out = io.StringIO()
+        render_report(report, Console(file=out, width=120, force_terminal=False), verbose=verbose)
+        return out.getvalue().splitlines()
+    short, full = rendered(False), rendered(True)
+    assert len(short) <= 40, "\n".join(short)
+    text = "\n".join(short)
+    assert report.top.cause.value in text and report.top.fixes[0].title[:40] in text
+    assert len(full) > len(short) and "Recent steps" in "\n".join(full)
 
 
 @pytest.mark.parametrize("device", DEVICES)

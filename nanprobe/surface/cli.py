@@ -81,7 +81,7 @@ PolicyOpt = Annotated[str, typer.Option("--autocast-policy",
                                              "float32 list emulated on CPU, for runs trained on a GPU).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Move the model, optimizer state and batches "
                                                                   "to this device first (cpu, cuda, cuda:1).")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every finding's fixes and the history.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every finding's evidence and fixes, the other precisions, module outputs and recent steps (the default report fits one screen).")]
 CapsuleOpt = Annotated[Optional[Path], typer.Option("--capsule", metavar="PATH",
                                                     help="Replay exactly the step a nanprobe.Guard capsule holds: "
                                                          "a capsule file, or a sharded capsule's directory "

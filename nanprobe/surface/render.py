@@ -35,18 +35,17 @@ _MARK = {True: "[green]✓ verified[/]", False: "[red]✗ failed over the horizo
 
 
 def render_report(report: Report, console: Console, *, verbose: bool = False) -> None:
+    """One screen by default (the verdict, one line per finding, the top fix with its code, the other fixes
+    one line each); ``verbose``: every finding's evidence and fixes, the precisions, the modules, the history."""
     console.print(_verdict(report))
+    if not verbose:
+        _one_screen(report, console)
+        return
     if report.findings:
         console.print(_findings(report))
-        for i, f in enumerate(report.findings[: 1 if not verbose else len(report.findings)]):
+        for i, f in enumerate(report.findings):
             for fix in f.fixes[:3 if i == 0 else 1]:
-                title = Text.from_markup(f"[bold]{fix.title}[/]  {_MARK[fix.verified]}")
-                body = [Syntax(fix.code, "python", theme="ansi_dark", word_wrap=True, background_color="default")]
-                if fix.why:
-                    body.append(Text(fix.why, style="dim"))
-                if fix.verify_note:
-                    body.append(Text(fix.verify_note, style="dim italic"))
-                console.print(Panel(Group(*body), title=title, title_align="left", border_style="cyan"))
+                console.print(_fix_panel(fix))
             for fix in f.fixes[3 if i == 0 else 1:]:
                 if fix.verification is not None:   # trained over the horizon: its verdict is shown, not hidden
                     console.print(Text.from_markup(f"  also trained over the horizon: [bold]{fix.title}[/]  "
@@ -56,10 +55,57 @@ def render_report(report: Report, console: Console, *, verbose: bool = False) ->
         console.print(_precisions(report))
     if report.context:
         console.print(_context(report))
-    if report.history and (verbose or report.status is not Status.FINITE):
+    if report.history:
         console.print(_history(report))
     for note in report.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+def _fix_panel(fix, *, why: bool = True) -> Panel:
+    title = Text.from_markup(f"[bold]{fix.title}[/]  {_MARK[fix.verified]}")
+    body = [Syntax(fix.code, "python", theme="ansi_dark", word_wrap=True, background_color="default")]
+    if fix.why and why:
+        body.append(Text(fix.why, style="dim"))
+    if fix.verify_note:
+        body.append(Text(fix.verify_note, style="dim italic"))
+    return Panel(Group(*body), title=title, title_align="left", border_style="cyan")
+
+
+def _stories(r: Report) -> list:
+    """The findings, one per story: a finding with the cause, phase and module of one before it repeats it."""
+    seen, out = set(), []
+    for f in r.findings:
+        key = (f.cause, f.phase, f.module)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
+
+
+def _one_screen(r: Report, console: Console) -> None:
+    stories = _stories(r)
+    if stories:
+        console.print(Text("Findings (most likely first)", style="bold"))
+        for i, f in enumerate(stories[:4], 1):
+            lines = [e for e in f.evidence if not (r.origin and e.startswith(_ORIGIN_PREFIXES))]
+            cause = f.cause.value + (f" · {f.mechanism.value}" if f.mechanism is not None else "")
+            line = Text.from_markup(f"{i:>2}  [bold]{cause}[/] ({f.confidence:.2f})  {f.phase.value} "
+                                    f"{f.module or '(model)'}  ")
+            line.append(lines[0] if lines else "", style="dim")
+            console.print(line, no_wrap=True, overflow="ellipsis")
+        fixes = list(stories[0].fixes)
+        if fixes:
+            console.print(_fix_panel(fixes[0], why=False))
+        for fix in fixes[1:]:
+            note = f"  [dim]{fix.verify_note}[/]" if fix.verify_note else ""
+            console.print(Text.from_markup(f"  also: [bold]{fix.title}[/]  {_MARK[fix.verified]}{note}"),
+                          no_wrap=True, overflow="ellipsis")
+    for note in r.notes[:2]:
+        console.print(Text(f"note: {note}", style="dim"), no_wrap=True, overflow="ellipsis")
+    hidden = len(r.findings) - min(len(stories), 4) + len(r.notes[2:])
+    more = f"{hidden} more finding(s) and note(s), " if hidden else ""
+    console.print(Text(f"--verbose: {more}every finding's evidence and fixes, the precisions, module outputs, "
+                       "recent steps", style="dim"), no_wrap=True, overflow="ellipsis")
 
 
 def _verdict(r: Report) -> Panel:
