@@ -1,5 +1,6 @@
 """Snapshots: every store (device, host, disk) restores exactly, refills in place, and a partial restore
-happens only when no weight or optimizer state was written since the last full one."""
+happens (and a full one skips the optimizer state) only when no weight or optimizer state was written
+since the last full one."""
 
 from __future__ import annotations
 
@@ -106,6 +107,31 @@ def test_partial_restore_only_when_no_weight_was_written():
     run_step(t, reached, Precision.FP32, where="t", instrument=False, restore_after=False, update=True)
     assert not reached.snapshot._untouched(reached.loop.objects)
     reached.snapshot.restore(reached.loop.objects, partial_ok=True)
+    after = _flat(t)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_full_restore_copies_the_optimizer_state_only_after_an_update(monkeypatch):
+    t = _target()
+    reached = reach(t, at=3, precision=Precision.FP32, cfg=load_config().replay, where="t")
+    before = _flat(t)
+    opt_slots = {id(s) for slots in reached.snapshot.opt_slots for s in slots.values()}
+    assert opt_slots
+    copied: list[int] = []
+    real = TensorStore.copy_into
+    monkeypatch.setattr(TensorStore, "copy_into", lambda self, slot, live: (copied.append(id(slot)),
+                                                                            real(self, slot, live))[1])
+    # reruns that stop before their update leave the optimizer state as saved: a full restore skips it
+    run_step(t, reached, Precision.FP32, where="t", instrument=False, restore_after=False, update=False)
+    reached.restore()
+    assert copied and not opt_slots & set(copied)
+    after = _flat(t)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # an update writes it: the next full restore copies it back
+    copied.clear()
+    run_step(t, reached, Precision.FP32, where="t", instrument=False, restore_after=False, update=True)
+    reached.restore()
+    assert opt_slots <= set(copied)
     after = _flat(t)
     assert all(torch.equal(before[k], after[k]) for k in before)
 

@@ -325,7 +325,9 @@ def _want_dtype(p: torch.Tensor, key: Any, slot: Slot) -> torch.dtype:
 
 
 def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
-                       slots: dict[tuple[int, Any], Slot]) -> None:
+                       slots: dict[tuple[int, Any], Slot], *, tensors: bool = True) -> None:
+    """``tensors`` False: the state tensors still hold their saved values (no version counter moved since
+    the last full restore), so they are not copied again; everything else is put back."""
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
         want = layout["state"].get(i)
@@ -347,10 +349,10 @@ def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
         if fits:
             for k, v in want.items():
                 slot = slots.get((i, k))
-                if slot is not None:
-                    slot.copy_into(have[k])
-                else:
+                if slot is None:
                     have[k] = copy.deepcopy(v)
+                elif tensors:
+                    slot.copy_into(have[k])
         else:
             new = {}
             for k, v in want.items():
@@ -487,14 +489,17 @@ class Snapshot:
         ``partial_ok``: when no parameter and no optimizer state tensor changed since the last full
         restore (their version counters, pointers and dtypes say so: a step stopped before its
         update), only the parts a forward and backward pass change are written back (buffers, RNG,
-        flags, carried state, LR groups, schedulers, GradScalers) and gradients are dropped.
+        flags, carried state, LR groups, schedulers, GradScalers) and gradients are dropped. A full
+        restore in that case copies the parameters but not the optimizer state (only an update
+        writes it; after reruns that stopped before theirs it is most of the state's bytes).
         """
         for (_, opt), layout, groups in zip(objects.optimizers, self.optimizers, self.groups):
             _restore_group_structure(opt, layout, groups)
         for p, flag in self.trainable:
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
-        full = not (partial_ok and self._untouched(objects))
+        untouched = self._untouched(objects)
+        full = not (partial_ok and untouched)
         params = set() if full else {id(p) for p in objects.model.parameters()}
         with torch.no_grad():
             for _, live, slot in self.tensors:
@@ -506,7 +511,7 @@ class Snapshot:
                     live.data = slot.load().to(live.dtype)
         if full:
             for (_, opt), layout, slots in zip(objects.optimizers, self.optimizers, self.opt_slots):
-                _restore_optimizer(opt, layout, slots)
+                _restore_optimizer(opt, layout, slots, tensors=not untouched)
         else:
             for (_, opt), layout in zip(objects.optimizers, self.optimizers):
                 _restore_groups_only(opt, layout)
