@@ -182,16 +182,34 @@ def test_watch_at_says_not_reproduced_when_the_script_does_not_repeat_itself(tmp
 
 
 def test_watch_cli_at_and_explain(tmp_path):
+    """By default watch explains a step it did not locate in-process by re-executing the script to it, and
+    its --json is that explained report; over watch.explain_budget it says how long that would take and
+    gives the command; --no-explain never re-executes."""
     expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
     reports = tmp_path / "reports"
-    res = runner.invoke(app, ["watch", "--explain", "--dir", str(reports), "--", "python", str(SQRT)])
+    out = tmp_path / "watch.json"
+    res = runner.invoke(app, ["watch", "--dir", str(reports), "--json", str(out), "--", "python", str(SQRT)])
     assert res.exit_code == 0, res.output
-    line = next(x for x in res.output.splitlines() if x.startswith("nanprobe watch --explain"))
-    assert line.startswith(f"nanprobe watch --explain: step {expected} was not located in-process, so the script "
+    line = next(x for x in res.output.splitlines() if x.startswith("nanprobe watch: step") and "re-executed" in x)
+    assert line.startswith(f"nanprobe watch: step {expected} was not located in-process, so the script "
                            f"was re-executed with step {expected} instrumented (nanprobe watch --at {expected} "
-                           f"--dir {reports} -- python {SQRT}): origin in backward, module distance, SqrtBackward0")
+                           f"--dir {reports} -- python {SQRT}): origin in backward, module distance, SqrtBackward0, "
+                           "cause sqrt")
     explained = _json(next(reports.glob(f"at-step{expected:07d}-*.json")))
     assert (explained["origin"]["phase"], explained["findings"][0]["cause"]) == ("backward", "sqrt")
+    data = _json(out)   # the --json report is the explained one, and says how it was made
+    assert (data["origin"]["node"], data["findings"][0]["cause"]) == ("SqrtBackward0", "sqrt")
+    assert data["watch_explained"]["command"] == f"nanprobe watch --at {expected} --dir {reports} -- python {SQRT}"
+    assert data["watch_explained"]["in_process_report"] and data["watch_explained"]["seconds_to_reach"] >= 0
+    budget = tmp_path / "budget.yaml"
+    budget.write_text("watch:\n  explain_budget: 0.0\n")
+    res = runner.invoke(app, ["watch", "--dir", str(tmp_path / "r2"), "--config", str(budget), "--", "python",
+                              str(SQRT)])
+    assert res.exit_code == 0 and "re-executed" not in res.output, res.output
+    assert f"re-executing the script to it would take about" in res.output
+    assert f"over watch.explain_budget (0 s): nanprobe watch --at {expected}" in res.output
+    res = runner.invoke(app, ["watch", "--no-explain", "--dir", str(tmp_path / "r3"), "--", "python", str(SQRT)])
+    assert res.exit_code == 0 and "re-execut" not in res.output, res.output
     res = runner.invoke(app, ["watch", "--at", str(expected), "--dir", str(reports), "--json",
                               str(tmp_path / "at.json"), "--", "python", str(SQRT)])
     assert res.exit_code == 1, res.output

@@ -141,6 +141,11 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WatchConfig:
+    explain_budget: float = 300.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -149,6 +154,7 @@ class Config:
     compare: CompareConfig = field(default_factory=CompareConfig)
     horizon: HorizonConfig = field(default_factory=HorizonConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
 
 _SIGNED = {"ignore_index"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import os
 import sys
 import time
@@ -426,9 +427,11 @@ WatchAtOpt = Annotated[Optional[int], typer.Option(
                               "it; the same report as nanprobe run. Compared with the watched run's record in --dir "
                               "(its Python random/numpy start state restored, its skipped updates skipped again): "
                               "a step that differs is reported 'not reproduced'. Exit code: the report's.")]
-ExplainOpt = Annotated[bool, typer.Option(
-    "--explain", help="When a bad step is not located in-process (born in backward or in the update), run "
-                      "nanprobe watch --at N on it after the script ends (the script runs again up to step N).")]
+ExplainOpt = Annotated[Optional[bool], typer.Option(
+    "--explain/--no-explain", help="A bad step not located in-process (born in backward or in the update) is "
+                                   "explained by nanprobe watch --at N after the script ends (the script runs again "
+                                   "up to step N; --json gets that report). Default: when reaching the step took "
+                                   "at most watch.explain_budget seconds (300); --explain always, --no-explain never.")]
 
 
 @app.command("watch")
@@ -436,7 +439,7 @@ ExplainOpt = Annotated[bool, typer.Option(
 def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy: WatchPolicyOpt = "skip",
               dirpath: DirOpt = Path("nanprobe-reports"), entry: EntryOpt = None, max_reports: MaxReportsOpt = 1,
               config: ConfigOpt = None, debug: DebugOpt = False, at: WatchAtOpt = None,
-              explain: ExplainOpt = False) -> None:
+              explain: ExplainOpt = None) -> None:
     """Run an unmodified script under the guard (global hooks); diagnose its first bad step in-process.
 
     Under a launcher (torchrun, accelerate launch, bash run.sh) every Python process it starts is watched.
@@ -453,18 +456,27 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
     log.propagate = False
+    started = time.monotonic()
     try:
         result = watch(command or [], json_out=json_out, policy=policy, config=cfg, dirpath=dirpath, entry=entry,
                        max_reports=max_reports)
     finally:
         log.removeHandler(handler)
         log.propagate = True
+    seconds = time.monotonic() - started
     if result.error and result.events and result.events[-1].action == "raised":
         print(result.error, file=sys.stderr)
     print(result.summary(), file=sys.stderr)
-    if explain:
+    if explain is not False and result.processes is None:   # one process: --at re-executes it
         from ..watch.at import explain as explain_steps
-        line, _ = explain_steps(result.events, command or [], dirpath=dirpath, config=config)
+        from ..watch.at import explain_line
+        step, line = explain_line(result.events, result.steps, seconds, math.inf if explain else
+                                  cfg.watch.explain_budget, command or [], dirpath)
+        if step is not None:
+            print(f"nanprobe watch: step {step} was not located in-process: re-executing the script to step {step} "
+                  "to explain it (--no-explain skips this)", file=sys.stderr)
+            line, _ = explain_steps(result.events, command or [], dirpath=dirpath, config=config,
+                                    json_out=json_out, seconds=seconds)
         if line:
             print(line, file=sys.stderr)
     raise typer.Exit(result.exit_code)

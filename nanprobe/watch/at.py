@@ -363,16 +363,20 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
 
 
 def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.PathLike = DEFAULT_DIR,
-            config: str | os.PathLike | None = None) -> tuple[str | None, Path | None]:
-    """``watch --explain``: after the watched run, the first bad step it did not locate is explained by
-    ``nanprobe watch --at N`` in a fresh interpreter (the script starts as it did: its start state is
-    restored from --dir). Returns the line for the summary and the --at report (None when nothing to do)."""
+            config: str | os.PathLike | None = None, json_out: str | os.PathLike | None = None,
+            seconds: float | None = None) -> tuple[str | None, Path | None]:
+    """After the watched run, the first bad step it did not locate is explained by ``nanprobe watch --at N``
+    in a fresh interpreter (the script starts as it did: its start state is restored from --dir). With
+    ``json_out`` (watch's --json), that file becomes the explained report, with a ``watch_explained`` section
+    (how, the in-process report it replaces). ``seconds``: the time it took the run to reach the step.
+    Returns the line for the summary and the --at report (None when nothing to do)."""
     import subprocess
     import tempfile
 
     step = unlocated_step(events)
     if step is None:
         return None, None
+    command_line = at_command(step, command, dirpath)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "at.json"
         argv = [sys.executable, "-m", "nanprobe.surface.cli", "watch", "--at", str(step), "--dir", str(dirpath),
@@ -381,17 +385,39 @@ def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.
         try:
             data = json.loads(out.read_text())
         except (OSError, ValueError):
-            return (f"nanprobe watch --explain: step {step} was not located in-process; "
-                    f"{at_command(step, command, dirpath)} failed (exit code {done.returncode})"), None
+            return (f"nanprobe watch: step {step} was not located in-process; {command_line} failed "
+                    f"(exit code {done.returncode})"), None
     path = max(Path(dirpath).glob(f"at-step{step:07d}-*.json"), key=lambda p: p.stat().st_mtime, default=None)
+    if json_out is not None:
+        first = next((e for e in events if e.step == step and e.report), None)
+        data["watch_explained"] = {"by": "re-executing the script to the step, instrumented", "command": command_line,
+                                   "seconds_to_reach": None if seconds is None else round(seconds, 1),
+                                   "in_process_report": first.report if first is not None else None}
+        Path(json_out).write_text(json.dumps(data, indent=2, allow_nan=True))
     o = data.get("origin")
     what = "not reproduced" if (data.get("fidelity") or {}).get("reproduced") is False or o is None and any(
         f.get("cause") == Cause.NOT_REPRODUCED.value for f in data.get("findings", [])) else \
         (f"origin in {o['phase']}, module {o['module'] or '(root)'}, {o.get('node') or o['op']}" if o else
          "no origin located")
-    return (f"nanprobe watch --explain: step {step} was not located in-process, so the script was re-executed with "
-            f"step {step} instrumented ({at_command(step, command, dirpath)}): {what}"
+    top = (data.get("findings") or [{}])[0].get("cause")
+    return (f"nanprobe watch: step {step} was not located in-process, so the script was re-executed with step "
+            f"{step} instrumented ({command_line}): {what}" + (f", cause {top}" if top else "")
             + (f"; report: {path}" if path else "")), path
 
 
-__all__ = ["watch_at", "explain", "unlocated_step", "AtResult"]
+def explain_line(events: Sequence[Any], steps: int, seconds: float, budget: float,
+                 command: Sequence[str], dirpath: str | os.PathLike) -> tuple[int | None, str | None]:
+    """Whether to explain by default: (the step to explain, None) when reaching it took about ``budget``
+    seconds or less, else (None, the line that says how long it would take and gives the command)."""
+    step = unlocated_step(events)
+    if step is None:
+        return None, None
+    reach = seconds * min(1.0, (step + 1) / max(steps, 1))
+    if reach <= budget:
+        return step, None
+    return None, (f"nanprobe watch: step {step} was not located in-process; re-executing the script to it would "
+                  f"take about {reach:.0f} s, over watch.explain_budget ({budget:.0f} s): "
+                  f"{at_command(step, command, dirpath)}")
+
+
+__all__ = ["watch_at", "explain", "explain_line", "unlocated_step", "AtResult"]

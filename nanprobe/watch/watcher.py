@@ -189,10 +189,11 @@ class Watcher(ScriptHooks):
                                  max_reports=self.max_reports, events=self.events)
         if self.root is not None:   # --at arms at the root module's forward (none: a functional model)
             self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
-            # the loss is computed outside the root module: its capsule (the root's inputs) cannot compute it,
-            # re-executing the script can (one process: --at does not re-execute a distributed job's ranks)
-            self.guard.replay = lambda step: self.at_command(step) if self._loss_missing and not _multi_rank() \
-                else None
+            # re-executing the script replays the step without an entrypoint (`nanprobe run ENTRY --capsule` needs
+            # one), and also where the loss is computed outside the root module, which its capsule (the root's
+            # inputs) cannot compute (one process: --at does not re-execute a distributed job's ranks)
+            self.guard.replay = lambda step: self.at_command(step) if (self._loss_missing or self.entry is None) \
+                and not _multi_rank() else None
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
