@@ -271,7 +271,7 @@ def _entry_points(name: str) -> list[tuple[object, str]]:
         return [(HookedGuard, "micro"), (HookedGuard, "note_loss")] + \
             [(NanprobeCallback, m) for m in ("on_epoch_begin", "on_pre_optimizer_step", "on_step_end")]
     from nanprobe.watch import Watcher
-    return [(Watcher, m) for m in ("_root_pre", "_root_post", "_note_loss", "_opt_pre", "_opt_post", "_check")]
+    return [(Watcher, m) for m in ("_root_pre", "_root_post", "on_loss", "_opt_pre", "_opt_post", "_check")]
 
 
 class InHook:
