@@ -105,4 +105,5 @@ if __name__ == "__main__":
 
     from plain_loop import train
 
-    train(target_fp16() if "fp16" in sys.argv[1:] else target(), steps=STEPS)
+    args = sys.argv[1:]
+    train(target_fp16() if "fp16" in args else build("fp32") if "fp32" in args else target(), steps=STEPS)

@@ -331,3 +331,23 @@ def test_finite_weights_whose_squares_overflow_do_not_stop_a_watched_run(tmp_pat
     result = watch(["python", str(WATCH / "sentinel_row.py")], dirpath=tmp_path)
     assert result.exit_code == 0 and result.steps == 12 and not result.events, [e.reason for e in result.events]
     assert float(capsys.readouterr().out.split("done ")[1]) == pytest.approx(1e38, rel=1e-6)
+
+
+def test_watch_reports_a_live_slow_divergence(tmp_path):
+    """A loss that breaks away with a precursor behind it (attention logits, fp32: every value finite) is a
+    report under watch, by smoke's rule: status diverging, its mechanism and onset; nothing is skipped, the
+    summary counts it, and a healthy control (qk-layernorm) is not reported."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "attention_logit_growth.py"
+    result = watch(["python", str(example), "fp32"], dirpath=tmp_path / "reports")
+    assert result.exit_code == 0 and result.steps == 120
+    [event] = result.events
+    assert (event.status, event.action) == ("diverging", "reported"), event
+    assert 60 <= event.step < 120
+    data = json.loads(Path(event.report).read_text())
+    top = data["findings"][0]
+    assert data["status"] == "diverging" and top["mechanism"] == "attention_logit_growth", top
+    assert top["onset"] is not None and top["onset"] < event.step and top["module"].endswith(".attn")
+    assert "0 bad step(s), 1 slow divergence(s), 1 report(s) written" in result.summary()
+    control = Path(__file__).resolve().parent.parent / "examples" / "control_qk_norm.py"
+    healthy = watch(["python", str(control)], dirpath=tmp_path / "control")
+    assert healthy.exit_code == 0 and healthy.steps > 0 and healthy.events == (), healthy.events

@@ -146,7 +146,7 @@ class Monitor:
     """Installs the cheap per-step statistics around one step of ``model``."""
 
     def __init__(self, model: torch.nn.Module, cfg: MonitorConfig, *, dtype: torch.dtype | None = None,
-                 every: int | None = None, activations: bool = False):
+                 every: int | None = None, activations: bool = False, updates: bool = True):
         self.model, self.cfg = model, cfg
         self.every = max(1, every if every is not None else cfg.every)
         self.dtype = dtype
@@ -160,9 +160,10 @@ class Monitor:
             if self.short_range or activations else []
         self.named_params = list(model.named_parameters())
         # the update statistics read a fixed strided sample of each parameter (a few hundred entries): |dw|/|w|
-        # and the cosine of the update with -grad, without a copy of the weights
+        # and the cosine of the update with -grad, without a copy of the weights. Not in a live run (``updates``
+        # False): its step is closed at the check, before the update, which has not moved the weights yet
         self.sampled = [(p, max(1, p.numel() // UPDATE_SAMPLE)) for _, p in self.named_params
-                        if p.numel() and p.is_floating_point() and not hasattr(p, "full_tensor")]
+                        if p.numel() and p.is_floating_point() and not hasattr(p, "full_tensor")] if updates else []
         self._w0: torch.Tensor | None = None
         self.trend = Trend(cfg, dtype, classes=self.output[1].out_features if self.output is not None else None)
         self._handles: list[Any] = []
@@ -781,7 +782,7 @@ def live_monitor(model: torch.nn.Module, config: Any, precision: Any) -> Monitor
     if not cfg.enabled:
         return None
     low = getattr(precision, "low", False)
-    return Monitor(model, cfg, dtype=precision.dtype if low else None, every=cfg.live_every)
+    return Monitor(model, cfg, dtype=precision.dtype if low else None, every=cfg.live_every, updates=False)
 
 
 def close_step(monitor: Monitor | None, step: int, *, loss: float | None, grad_norm: float | None,

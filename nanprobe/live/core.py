@@ -34,7 +34,7 @@ from ..base.errors import UsageError
 from ..base.report import Status, StepRecord
 from ..base.sharding import fsdp1_root, full_value, weights_finite
 from ..base.sharding import total_norm as group_norm
-from ..judge.divergence import Judge
+from ..judge.divergence import Breakaway, Judge
 from ..judge.monitor import close_step, live_monitor
 from ..judge.updates import UpdateCheck, describe, update_forensics
 from ..reach.feed import Position
@@ -137,18 +137,25 @@ class Verdict:
 class StepCore:
     """One live run's step state and judgement (see the module's docstring)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, precision: Any, logger: Any):
+    def __init__(self, model: torch.nn.Module, cfg: Config, precision: Any, logger: Any, *, slow: bool = False):
         self.cfg = cfg
         self.gcfg = cfg.guard
         self.model = model
         self.module = unwrap(model)
         self.logger = logger
-        self.judge = Judge(self.gcfg)   # the divergence model of replay and smoke, with the guard: thresholds
+        self.monitor = live_monitor(self.module, cfg, precision)    # the precursor monitor
+        # the divergence model of replay and smoke, with the guard: thresholds; ``slow``: a slow divergence too,
+        # by smoke's rule (the loss broke away from its best level, and a precursor or the gradient norm is
+        # behind it), judged once per run
+        m = cfg.monitor
+        self.judge = Judge(self.gcfg, slow=Breakaway(window=m.breakaway_window, sigmas=m.breakaway_sigmas,
+                                                     rise=m.breakaway_rise, patience=m.breakaway_patience,
+                                                     min_steps=m.breakaway_min_steps)
+                           if slow and self.monitor is not None else None, second=self._precursor)
         self.device_type = device_of(self.module).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
         self.updates = UpdateCheck(self.gcfg.check_updates_every)   # which updates' weights were read
-        self.monitor = live_monitor(self.module, cfg, precision)    # the precursor monitor
         self.warnings: list[dict[str, Any]] = []                     # its one early warning
         self.consecutive = 0
         self.checks = 0
@@ -235,7 +242,11 @@ class StepCore:
         record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=lr, update_ratio=None, finite=finite,
                             skipped=skipped, scale=scale, epoch=position.epoch if position else None,
                             index=position.index if position else None)
+        if world > 1:   # each rank's own loss: a rank alone must not decide (its capsule write would be collective)
+            self.judge.slow = None
         status, reason = self.judge.judge(record, params_finite=True)
+        if status is Status.DIVERGING:
+            self.judge.slow = None   # one slow divergence per run
         local = True
         if status is Status.FINITE and others_bad:
             status, reason, local = Status.NONFINITE, "another rank saw a non-finite value or spike at this step", \
@@ -256,6 +267,18 @@ class StepCore:
         if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
             verdict.update_born = (unread, self._update_optimizers or optimizers)
         return verdict
+
+    def _precursor(self, facts: dict[str, Any]) -> str | None:
+        """The precursor behind a break-away of the loss (as replay's): a monitor signal out of its band, or an
+        update size that rose past its level at the loss's best step, judged over a longer stretch."""
+        trend = self.monitor.trend
+        trend.best_step = facts["best_step"]
+        sig = trend.behind(facts["step"], facts["best_step"])
+        if sig is not None:
+            return f"{sig.mechanism.value}: {sig.headline()}"
+        if facts["step"] - facts["since"] + 1 >= 3 * self.judge.slow.patience:
+            return trend.update_rise(facts["best_step"], facts["since"])
+        return None
 
     def unchecked(self) -> None:
         """A step that is not checked (guard.check_every) ran its update."""

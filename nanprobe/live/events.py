@@ -38,9 +38,9 @@ class HookEvent:
     """One bad step caught through hooks, diagnosed in-process."""
 
     step: int
-    status: str               # "nonfinite" | "spike"
+    status: str               # "nonfinite" | "spike" | "diverging"
     reason: str               # "loss is nan", "gradient-norm spike: ...", "another rank ..."
-    action: str               # "skipped" | "recorded" (update applied) | "stopped" | "raised"
+    action: str               # "skipped" | "recorded" (update applied) | "stopped" | "raised" | "reported"
     local: bool               # this rank saw it itself (False: another rank did)
     headline: str             # one line: where the first non-finite value was born and why
     capsule: str | None       # the capsule written for this step
@@ -55,7 +55,8 @@ class HookEvent:
     def line(self, who: str) -> str:
         """The one line logged when the event happens."""
         verb = {"skipped": "update skipped", "recorded": "update applied (policy record)",
-                "stopped": "update skipped, stopping training", "raised": "update skipped, raising"}[self.action]
+                "stopped": "update skipped, stopping training", "raised": "update skipped, raising",
+                "reported": "a slow divergence, reported; training goes on"}[self.action]
         rank = f"rank {self.rank}: " if self.rank else ""
         text = f"{who}: {rank}{self.headline}; {verb}."
         if self.report:

@@ -110,7 +110,7 @@ class HookedGuard:
         self.max_reports = max_reports    # bad steps diagnosed in-process; later ones get a capsule and a line
         self.reports = 0
         self.logger = logging.getLogger(f"nanprobe.{command}")
-        self.core = StepCore(model, self.cfg, None, self.logger)   # the step's state and its judgement
+        self.core = StepCore(model, self.cfg, None, self.logger, slow=True)   # the step's state and its judgement
         self.events: list[HookEvent] = events if events is not None else []   # the caller's list, if given
         self.capsules: list[Path] = []
         self.pending: Pending | None = None
@@ -208,9 +208,11 @@ class HookedGuard:
             v = core.check(step, optimizers, core.norm(optimizers) if norm is None else norm, scaler, position)
             if v.update_born is not None:
                 return self._update_born(v.update_born[0], v.record, v.rank, v.world, v.update_born[1])
-            if not v.bad:
+            if not v.bad or v.status is Status.DIVERGING:
                 core.passed(v, optimizers, scaler)
                 self._updating = (step, optimizers)
+                if v.status is Status.DIVERGING:   # a slow divergence: a report, training goes on as it is
+                    self._diverging(v, position)
                 return False
             settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler is not None}   # for the capsule
             return self._bad(v, position, settings)
@@ -256,6 +258,25 @@ class HookedGuard:
                       notes=(f"caught in the check of a later step; the state before this "
                              f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
                              "the step from your checkpoint or step 0 and reruns the update instrumented",))
+
+    def _diverging(self, v: Verdict, position: Position | None) -> None:
+        """The loss broke away with a precursor behind it: the step is diagnosed after the framework's step
+        (trajectory, mechanism), nothing is skipped and no capsule is written (the step itself is finite)."""
+        target = self.build_target()
+        loop = Loop(target, self.entry or f"<{self.command}>", target.precision)
+        loop.objects.storage = storage_policy(self.cfg.replay)
+        core = self.core
+        rng_after = list(core.rng_after)
+        rng = rng_after[0] if rng_after else core.rngs.capture()
+        before = None
+        if self.reports < self.max_reports and not sharded(self.model) and fsdp1_root(self.model) is None:
+            before = core.at_start(lambda: loop.objects.take(rng=rng))
+            self.reports += 1
+        self.pending = Pending(step=v.record.step, status=v.status, reason=v.reason or "slow divergence", local=True,
+                               record=v.record, history=list(core.history), loop=loop, before=before,
+                               items=[clone_batch(b) for b in core.items], rng_after=rng_after, position=position,
+                               capsule=None, capsule_note=None, corrupt=False, rank=v.rank, world=v.world,
+                               undiagnosed=None if before is not None else "not diagnosed in-process")
 
     def _bad(self, v: Verdict, position: Position | None, settings: dict[str, Any]) -> bool:
         core = self.core
@@ -336,8 +357,10 @@ class HookedGuard:
             finally:
                 if p.before is not None:
                     p.before.release()
-        why = self.core.stop_reason(self.policy, p.corrupt)
-        action = "raised" if why else {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
+        diverging = p.status is Status.DIVERGING
+        why = None if diverging else self.core.stop_reason(self.policy, p.corrupt)
+        action = "reported" if diverging else "raised" if why else \
+            {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
         command = (self.replay(p.step) if self.replay is not None else None) or \
             (_capsule.replay_command(self.entry, p.capsule) if p.capsule else
              f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None)

@@ -356,7 +356,7 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
         top = (data.get("findings") or [{}])[0]
         # a data finding says where the value came from; --at arms at the root module's forward (a functional
         # model has none)
-        if data.get("origin") is None and data.get("status") != Status.FINITE.value \
+        if data.get("origin") is None and data.get("status") not in (Status.FINITE.value, Status.DIVERGING.value) \
                 and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root"):
             return e.step
     return None

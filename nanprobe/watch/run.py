@@ -42,10 +42,12 @@ class WatchResult:
                     "the steps of torch.optim optimizers (optimizer.step(), GradScaler.step); an update written "
                     "by hand (p -= lr * p.grad) or a script that exits before training is not seen: use "
                     "nanprobe.Guard in such a loop")
-        bad = len(self.events)
-        reports = sum(1 for e in self.events if e.report)
+        diverging = sum(1 for e in self.events if e.status == "diverging")
+        bad = len(self.events) - diverging
+        reports = [e for e in self.events if e.report]
         return (f"nanprobe watch: 1 process, {self.steps} optimizer step(s) seen, {bad} bad step(s), "
-                f"{reports} report(s) written" + (f" (first: {shown(self.events[0].report)})" if reports else ""))
+                + (f"{diverging} slow divergence(s), " if diverging else "")
+                + f"{len(reports)} report(s) written" + (f" (first: {shown(reports[0].report)})" if reports else ""))
 
 
 def _plural(n: int, word: str) -> str:

@@ -372,6 +372,8 @@ class Watcher(ScriptHooks):
                 "ops": ops_between(self._loss_nodes, {id(n) for n in self._output_nodes})}
 
     def _adjust(self, report: Report, p: Pending) -> Report:
+        if p.status is Status.DIVERGING:   # a finite step: the report is its trajectory and mechanism
+            return dataclasses.replace(report, status=Status.DIVERGING)
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
         notes = list(report.notes)
         findings = list(report.findings)
