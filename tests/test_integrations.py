@@ -297,6 +297,23 @@ def test_lightning_manual_optimization_is_not_guarded_and_says_so_once(tmp_path,
     assert cb.events == [] and cb._guard is None
 
 
+def test_lightning_logs_the_precursor_curves_to_the_trainers_logger(tmp_path):
+    """The precursor series go to the trainer's logger as ordinary scalars, beside the module's own."""
+    from nanprobe.integrations.lightning import NanprobeCallback
+
+    torch.manual_seed(0)
+    logger = L.pytorch.loggers.CSVLogger(str(tmp_path / "logs"), name="run")
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=logger, log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[NanprobeCallback(dirpath=tmp_path / "reports")])
+    trainer.fit(Regressor(relative_from_epoch=None), _loader())
+    import csv
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    steps = sorted(int(r["step"]) for r in rows if r.get("nanprobe/optimizer/adam_v_below_eps"))
+    assert steps == [10, 20], steps   # every monitored step (monitor.live_every 10) with AdamW state (none at 0)
+    assert any(r.get("train_loss") for r in rows)   # the module's own scalar is still there
+
+
 # -- transformers ------------------------------------------------------------------------------------------
 
 transformers = _framework("transformers")
@@ -404,6 +421,24 @@ def test_transformers_healthy_run_writes_nothing_and_keeps_the_weights_bitwise(t
     assert cb.events == [] and cb._guard.checks == 6 and not (tmp_path / "reports").exists()
     assert cb._guard.monitor.trend.series["train/loss"] and cb._guard.warnings == []   # monitored, silent
     assert "training_step" not in vars(trainer)   # the instance wrapper is gone after train()
+
+
+def test_transformers_logs_the_precursor_curves_through_report_to(tmp_path):
+    """With report_to (here TensorBoard) the precursor series go through Trainer.log beside the loss."""
+    pytest.importorskip("tensorboard", reason="the [tensorboard] extra: pip install -e '.[tensorboard]'")
+    from nanprobe.integrations.transformers import NanprobeCallback
+    from test_watch import _scalars
+
+    model = _gpt2()
+    cb = NanprobeCallback(dirpath=tmp_path / "reports")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                                          num_train_epochs=4, use_cpu=True, report_to=["tensorboard"],
+                                          logging_steps=1, save_strategy="no",
+                                          seed=0, learning_rate=1e-3, disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=SFTData(cut=(2,)), callbacks=[cb]).train()
+    tags = _scalars(tmp_path / "out")
+    curves = [t for t in tags if t.startswith("train/nanprobe/") and t.endswith("/max_logit")]
+    assert curves and "train/loss" in tags, sorted(tags)   # the attention logits beside the loss
 
 
 # -- without the framework ---------------------------------------------------------------------------------

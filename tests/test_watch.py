@@ -351,3 +351,27 @@ def test_watch_reports_a_live_slow_divergence(tmp_path):
     control = Path(__file__).resolve().parent.parent / "examples" / "control_qk_norm.py"
     healthy = watch(["python", str(control)], dirpath=tmp_path / "control")
     assert healthy.exit_code == 0 and healthy.steps > 0 and healthy.events == (), healthy.events
+
+
+def _scalars(logdir: Path) -> dict[str, list[int]]:
+    """Tag -> steps of the scalars in a TensorBoard log dir (every event file below it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, list[int]] = {}
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
+    return tags
+
+
+def test_watch_logs_the_precursor_curves_to_the_scripts_own_tensorboard_writer(tmp_path):
+    pytest.importorskip("tensorboard", reason="the [tensorboard] extra: pip install -e '.[tensorboard]'")
+    logdir = tmp_path / "tb"
+    result = watch(["python", str(WATCH / "tensorboard_classifier.py"), str(logdir)], dirpath=tmp_path / "reports")
+    assert result.exit_code == 0 and result.steps == 25 and result.events == ()
+    tags = _scalars(logdir)
+    assert tags["loss"] == list(range(25))   # the script's own scalar, as it wrote it
+    # every monitored step (monitor.live_every 10; step 0's forward ran before the optimizer was known)
+    assert tags["nanprobe/2/logsumexp"] == [10, 20] and tags["nanprobe/2/logit_mean"] == [10, 20], tags

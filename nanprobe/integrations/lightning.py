@@ -191,6 +191,7 @@ class NanprobeCallback(_Base):
                                       build_target=partial(self._target, trainer, module), config=self.config,
                                       policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
                                       max_reports=self.max_reports, events=self.events)
+            self._guard.core.curves = partial(_log_curves, trainer)
         return self._guard
 
     def _target(self, trainer: Any, module: Any) -> Target:
@@ -339,6 +340,12 @@ class NanprobeCallback(_Base):
 
 
 @contextlib.contextmanager
+def _log_curves(trainer: Any, step: int, values: dict[str, float]) -> None:
+    """The precursor series as scalars in the trainer's loggers, at its global step (no logger: nothing)."""
+    for logger_ in trainer.loggers:
+        logger_.log_metrics(values, step=trainer.global_step)
+
+
 def _global_step_at(trainer: Any, step: int):
     """``trainer.global_step`` reads ``step`` meanwhile (Lightning counts the step done once it returned)."""
     try:

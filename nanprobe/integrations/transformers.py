@@ -54,6 +54,13 @@ def _find_trainer() -> Any:
     return None
 
 
+def _log_curves(trainer: Any, step: int, values: dict[str, float]) -> None:
+    """The precursor series through ``Trainer.log``, to the loggers of ``report_to`` (none: nothing)."""
+    if trainer.args.report_to in (None, "none", [], ["none"]):
+        return
+    trainer.log(dict(values))
+
+
 def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
     """accelerate's AcceleratedOptimizer -> the torch optimizer it drives (hooks live there)."""
     seen = 0
@@ -178,6 +185,7 @@ class NanprobeCallback(_Base):
                                   build_target=partial(self._target, trainer), config=self.config,
                                   policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
                                   max_reports=self.max_reports, events=self.events)
+        self._guard.core.curves = partial(_log_curves, trainer)
         self._epoch = int(math.floor(state.epoch or 0)) - 1   # on_epoch_begin counts it up
         self._steps_in_epoch = self._items_in_epoch = 0
 

@@ -772,7 +772,7 @@ def _project(pts: list[tuple[int, float]], limit: float, window: int = 3) -> tup
     return early, min(max(late, early), s1 + 100_000)
 
 
-__all__ = ["Monitor", "Sample", "Signal", "Trend", "attention_modules"]
+__all__ = ["curves_at", "CURVE_SUFFIXES", "Monitor", "Sample", "Signal", "Trend", "attention_modules"]
 
 
 def live_monitor(model: torch.nn.Module, config: Any, precision: Any) -> Monitor | None:
@@ -783,6 +783,17 @@ def live_monitor(model: torch.nn.Module, config: Any, precision: Any) -> Monitor
         return None
     low = getattr(precision, "low", False)
     return Monitor(model, cfg, dtype=precision.dtype if low else None, every=cfg.live_every, updates=False)
+
+
+# the precursor series a live run logs beside the user's own scalars (the loss, LR and grad norm are the user's)
+CURVE_SUFFIXES = ("/max_logit", "/entropy", "/logsumexp", "/logit_mean", "activations/max", "activations/headroom_bits",
+                  "optimizer/adam_v_below_eps", "optimizer/loss_scale")
+
+
+def curves_at(trend: Trend, step: int) -> dict[str, float]:
+    """The precursor series' values recorded at ``step``, as ``nanprobe/<series>`` scalars."""
+    return {f"nanprobe/{k}": v[-1][1] for k, v in trend.series.items()
+            if v and v[-1][0] == step and k.endswith(CURVE_SUFFIXES) and math.isfinite(v[-1][1])}
 
 
 def close_step(monitor: Monitor | None, step: int, *, loss: float | None, grad_norm: float | None,

@@ -35,7 +35,7 @@ from ..base.report import Status, StepRecord
 from ..base.sharding import fsdp1_root, full_value, weights_finite
 from ..base.sharding import total_norm as group_norm
 from ..judge.divergence import Breakaway, Judge
-from ..judge.monitor import close_step, live_monitor
+from ..judge.monitor import close_step, curves_at, live_monitor
 from ..judge.updates import UpdateCheck, describe, update_forensics
 from ..reach.feed import Position
 from ..reach.state import RngTracker, module_tensor_attrs
@@ -157,6 +157,8 @@ class StepCore:
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
         self.updates = UpdateCheck(self.gcfg.check_updates_every)   # which updates' weights were read
         self.warnings: list[dict[str, Any]] = []                     # its one early warning
+        # where the precursor series go as scalars (the script's or trainer's logger), if it has one
+        self.curves: Callable[[int, dict[str, float]], None] | None = None
         self.consecutive = 0
         self.checks = 0
         self.items: list[Any] = []                 # the step's micro-batches, by reference
@@ -290,10 +292,18 @@ class StepCore:
         divergence model's statistics, the history."""
         r = verdict.record
         if not r.skipped:
+            monitored = self.monitor is not None and self.monitor._active
             w = close_step(self.monitor, r.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr, scaler=scaler,
                            optimizers=optimizers, logger=self.logger)
             if w is not None:
                 self.warnings.append(w)
+            if monitored and self.curves is not None:
+                values = curves_at(self.monitor.trend, r.step)
+                try:
+                    if values:
+                        self.curves(r.step, values)
+                except Exception:  # noqa: BLE001 - a logger's failure never stops training
+                    self.logger.debug("logging the precursor curves failed", exc_info=True)
             self.consecutive = 0
         self.judge.add(r)
         self.history.append(r)

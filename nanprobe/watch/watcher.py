@@ -98,6 +98,7 @@ class Watcher(ScriptHooks):
         self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
         self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
+        self._writers: weakref.WeakSet | None = None   # the script's TensorBoard SummaryWriters (once it uses one)
         self._device_type = "cpu"
 
     # -- install / remove --
@@ -118,6 +119,7 @@ class Watcher(ScriptHooks):
 
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
+        self._writers = None   # its patch is undone: found again if the hooks come back
         for h in self._module_hooks + self._root_hooks:
             h.remove()
         self._module_hooks, self._root_hooks = [], []
@@ -197,6 +199,28 @@ class Watcher(ScriptHooks):
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
+        self.guard.core.curves = self._log_curves
+
+    # -- the precursor curves, to the script's own TensorBoard writers --
+    def _log_curves(self, step: int, values: dict[str, float]) -> None:
+        """The precursor series as scalars in every open ``SummaryWriter`` the script made (none: nothing)."""
+        module = sys.modules.get("torch.utils.tensorboard.writer")
+        if module is None:   # the script does not use TensorBoard
+            return
+        if self._writers is None:   # the first monitored step after it was imported: its writers, then new ones
+            import gc
+            cls = module.SummaryWriter
+            self._writers = weakref.WeakSet(o for o in gc.get_objects() if issubclass(type(o), cls))
+            original, writers = cls.__init__, self._writers
+
+            def __init__(writer, *args, **kwargs):
+                original(writer, *args, **kwargs)
+                writers.add(writer)
+            self._patches.append(Patch(cls, "__init__", __init__))
+        for writer in list(self._writers):
+            if getattr(writer, "file_writer", None) is not None:   # closed: add_scalar would open it again
+                for key, value in values.items():
+                    writer.add_scalar(key, value, step)
 
     # -- the root's calls --
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
