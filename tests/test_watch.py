@@ -375,3 +375,20 @@ def test_watch_logs_the_precursor_curves_to_the_scripts_own_tensorboard_writer(t
     assert tags["loss"] == list(range(25))   # the script's own scalar, as it wrote it
     # every monitored step (monitor.live_every 10; step 0's forward ran before the optimizer was known)
     assert tags["nanprobe/2/logsumexp"] == [10, 20] and tags["nanprobe/2/logit_mean"] == [10, 20], tags
+
+
+def test_watch_checks_a_hand_written_update_and_reports_the_first_bad_step(tmp_path):
+    """No torch.optim optimizer (p.data.add_(p.grad, alpha=-lr)): each backward pass is checked as a step; the
+    first bad one gets its report and the summary says plainly that nothing could be skipped."""
+    result = watch(["python", str(WATCH / "handwritten_sgd.py")], dirpath=tmp_path)
+    assert result.handwritten and result.events, result.summary()
+    first = result.events[0]
+    assert (first.step, first.action, first.reason) == (6, "seen", "loss is nan"), first
+    data = json.loads(Path(first.report).read_text())
+    top = data["findings"][0]
+    assert (data["step"], top["cause"], top["phase"]) == (6, "data", "input"), top
+    assert data["watch"]["handwritten"] is True and data["watch"]["action"] == "seen"
+    assert "backward pass(es) checked (no torch.optim optimizer: the update is written by hand, so none could be " \
+           "skipped)" in result.summary()
+    # the hand-written update made every weight NaN: the next step is stopped, as a skip could not save it either
+    assert result.events[-1].action == "raised" and result.exit_code == 1

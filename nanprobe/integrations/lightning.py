@@ -339,13 +339,13 @@ class NanprobeCallback(_Base):
         self._uninstall_clip()
 
 
-@contextlib.contextmanager
 def _log_curves(trainer: Any, step: int, values: dict[str, float]) -> None:
     """The precursor series as scalars in the trainer's loggers, at its global step (no logger: nothing)."""
     for logger_ in trainer.loggers:
         logger_.log_metrics(values, step=trainer.global_step)
 
 
+@contextlib.contextmanager
 def _global_step_at(trainer: Any, step: int):
     """``trainer.global_step`` reads ``step`` meanwhile (Lightning counts the step done once it returned)."""
     try:

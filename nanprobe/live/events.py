@@ -40,7 +40,7 @@ class HookEvent:
     step: int
     status: str               # "nonfinite" | "spike" | "diverging"
     reason: str               # "loss is nan", "gradient-norm spike: ...", "another rank ..."
-    action: str               # "skipped" | "recorded" (update applied) | "stopped" | "raised" | "reported"
+    action: str               # "skipped" | "recorded" (update applied) | "stopped" | "raised" | "reported" | "seen"
     local: bool               # this rank saw it itself (False: another rank did)
     headline: str             # one line: where the first non-finite value was born and why
     capsule: str | None       # the capsule written for this step
@@ -51,12 +51,16 @@ class HookEvent:
     grad_norm: float | None = None
     diagnosis_error: str | None = None   # the in-process diagnosis failed (a bug: the report is missing)
     why: str | None = None               # action "raised": why training cannot go on
+    skipped: bool = True                 # False: an update written by hand, which nothing can skip
 
     def line(self, who: str) -> str:
         """The one line logged when the event happens."""
         verb = {"skipped": "update skipped", "recorded": "update applied (policy record)",
                 "stopped": "update skipped, stopping training", "raised": "update skipped, raising",
-                "reported": "a slow divergence, reported; training goes on"}[self.action]
+                "reported": "a slow divergence, reported; training goes on",
+                "seen": "no skip possible: the update is written by hand (no torch.optim optimizer)"}[self.action]
+        if not self.skipped and self.action == "raised":
+            verb = "raising (the update is written by hand: nothing was skipped)"
         rank = f"rank {self.rank}: " if self.rank else ""
         text = f"{who}: {rank}{self.headline}; {verb}."
         if self.report:

@@ -115,6 +115,7 @@ class HookedGuard:
         self.capsules: list[Path] = []
         self.pending: Pending | None = None
         self.busy = False                 # nanprobe is rerunning a step: the hooks stand still
+        self.can_skip = True              # False: the update is the script's own code (no optimizer): seen, not skipped
         self._updating: tuple[int, list[torch.optim.Optimizer]] | None = None   # a checked good step's update
         # what the log line says of a bad step the diagnosis did not locate (step -> text; watch offers --at N)
         self.unlocated: Callable[[int], str] | None = None
@@ -280,7 +281,7 @@ class HookedGuard:
 
     def _bad(self, v: Verdict, position: Position | None, settings: dict[str, Any]) -> bool:
         core = self.core
-        corrupt = core.caught(v, self.policy)
+        corrupt = core.caught(v, self.policy if self.can_skip else "record")   # nothing skipped: buffers as they are
         step, local = v.record.step, v.local
         target = self.build_target()
         loop = Loop(target, self.entry or f"<{self.command}>", target.precision)
@@ -312,7 +313,7 @@ class HookedGuard:
         core.history.append(v.record)
         if self.on_bad is not None:
             self.on_bad(self.pending)
-        return self.policy != "record"
+        return self.policy != "record" and self.can_skip
 
     def _write_capsule(self, loop: Loop, items, rng, rng_after, v: Verdict, position: Position | None,
                        settings: dict[str, Any]) -> Path | None:
@@ -359,7 +360,7 @@ class HookedGuard:
                     p.before.release()
         diverging = p.status is Status.DIVERGING
         why = None if diverging else self.core.stop_reason(self.policy, p.corrupt)
-        action = "reported" if diverging else "raised" if why else \
+        action = "reported" if diverging else "raised" if why else "seen" if not self.can_skip else \
             {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
         command = (self.replay(p.step) if self.replay is not None else None) or \
             (_capsule.replay_command(self.entry, p.capsule) if p.capsule else
@@ -371,7 +372,8 @@ class HookedGuard:
         event = HookEvent(step=p.step, status=p.status.value, reason=p.reason, action=action, local=p.local,
                           headline=headline, capsule=str(p.capsule) if p.capsule else None,
                           report=str(path) if path else None, command=command, rank=p.rank, loss=p.record.loss,
-                          grad_norm=p.record.grad_norm, diagnosis_error=error, why=why)
+                          grad_norm=p.record.grad_norm, diagnosis_error=error, why=why,
+                          skipped=self.can_skip)
         self.events.append(event)
         return event
 

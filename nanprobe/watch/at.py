@@ -357,7 +357,8 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
         # a data finding says where the value came from; --at arms at the root module's forward (a functional
         # model has none)
         if data.get("origin") is None and data.get("status") not in (Status.FINITE.value, Status.DIVERGING.value) \
-                and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root"):
+                and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root") \
+                and not (data.get("watch") or {}).get("handwritten"):   # --at counts optimizer steps
             return e.step
     return None
 

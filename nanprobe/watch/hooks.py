@@ -48,6 +48,9 @@ class ScriptHooks:
     def on_backward(self) -> None:
         """The script calls backward."""
 
+    def after_backward(self) -> None:
+        """The script's backward returned (its gradients are there)."""
+
     def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
         """The script clipped its gradients: their norm before clipping."""
 
@@ -111,7 +114,10 @@ class ScriptHooks:
                     if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in hooks.scaled:
                         hooks.on_loss(t)
                 hooks.on_backward()
-            return original(tensors, *args, **kwargs)
+            out = original(tensors, *args, **kwargs)
+            if hooks.active():
+                hooks.after_backward()
+            return out
         return backward
 
     def _wrap_scale(self, original):

@@ -32,6 +32,7 @@ class WatchResult:
     error: str | None = None       # the script raised: the exception's one line
     notes: tuple[str, ...] = ()
     processes: tuple[ProcessRow, ...] | None = None   # a followed command's Python processes (None: in-process)
+    handwritten: bool = False      # no optimizer: the update is the script's own code (each backward checked)
 
     def summary(self) -> str:
         """The one line at the end: what was watched, or a warning that nothing was."""
@@ -39,13 +40,15 @@ class WatchResult:
             return _processes_summary(self)
         if self.steps == 0:
             return ("nanprobe watch: warning: no optimizer step was seen, so nothing was checked. watch guards "
-                    "the steps of torch.optim optimizers (optimizer.step(), GradScaler.step); an update written "
-                    "by hand (p -= lr * p.grad) or a script that exits before training is not seen: use "
-                    "nanprobe.Guard in such a loop")
+                    "the steps of torch.optim optimizers (optimizer.step(), GradScaler.step) and, in a loop that "
+                    "updates the weights by hand with no optimizer, each backward pass from the second on; a "
+                    "script that exits before training is not seen")
         diverging = sum(1 for e in self.events if e.status == "diverging")
         bad = len(self.events) - diverging
         reports = [e for e in self.events if e.report]
-        return (f"nanprobe watch: 1 process, {self.steps} optimizer step(s) seen, {bad} bad step(s), "
+        seen = f"{self.steps} backward pass(es) checked (no torch.optim optimizer: the update is written by hand, " \
+            "so none could be skipped)" if self.handwritten else f"{self.steps} optimizer step(s) seen"
+        return (f"nanprobe watch: 1 process, {seen}, {bad} bad step(s), "
                 + (f"{diverging} slow divergence(s), " if diverging else "")
                 + f"{len(reports)} report(s) written" + (f" (first: {shown(reports[0].report)})" if reports else ""))
 
@@ -225,6 +228,7 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
         written = str(json_out)
     root = type(watcher.root).__name__ if watcher.root is not None else None
     return WatchResult(argv=tuple(command), exit_code=code, steps=watcher.steps, events=tuple(watcher.events),
+                       handwritten=watcher.handwritten,
                        root=root, json=written, error=error, notes=tuple(watcher.notes))
 
 

@@ -98,6 +98,9 @@ class Watcher(ScriptHooks):
         self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
         self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
+        self.handwritten = False                  # no optimizer: each backward is a step, checked after it
+        self._optimizers_made = 0                 # torch.optim optimizers the script created
+        self._backwards = 0                       # backward passes before any optimizer stepped
         self._writers: weakref.WeakSet | None = None   # the script's TensorBoard SummaryWriters (once it uses one)
         self._device_type = "cpu"
 
@@ -126,7 +129,13 @@ class Watcher(ScriptHooks):
 
     def extra_patches(self) -> list[Patch]:
         from torch.optim.lr_scheduler import LRScheduler
-        return [Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__))]
+        watcher, made = self, torch.optim.Optimizer.__init__
+
+        def optimizer_init(opt, *args, **kwargs):
+            made(opt, *args, **kwargs)
+            watcher._optimizers_made += 1
+        return [Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__)),
+                Patch(torch.optim.Optimizer, "__init__", optimizer_init)]
 
     def active(self) -> bool:
         return not self.busy
@@ -278,6 +287,50 @@ class Watcher(ScriptHooks):
             watcher.schedulers.add(sched)
         return __init__
 
+    # -- an update written by hand (no optimizer): each backward is a step, checked when it returns --
+    def after_backward(self) -> None:
+        if self.optimizer is not None or self._in_closure:
+            return
+        self._backwards += 1
+        if not self.handwritten:
+            # a second backward and still no optimizer made at all: the script updates the weights itself
+            if self._backwards < 2 or self._optimizers_made or self.guard is not None or not self._first:
+                return
+            self._start_handwritten()
+        g = self.guard
+        if not g.in_step:
+            self._losses, self._loss_missing = [], True
+            g.micro(None, self.steps)
+        params = [q for q in g.model.parameters() if q.grad is not None]
+        norm = total_norm([q.grad for q in params])
+        position = Position(step=self.steps, epoch=None, index=self.steps, items=())
+        g.check(self.steps, [], norm=norm, position=position)   # nothing can be skipped: seen and reported
+        if g.pending is not None and g.pending.step == self.steps:
+            self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
+        self.steps += 1
+        if g.pending is not None:
+            self._finish()
+
+    def _start_handwritten(self) -> None:
+        """The root is the largest module called at the top level; this step's call is its first micro-batch."""
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+        first, self._first = self._first, []
+        best = max(dict.fromkeys(call[0] for call in first), key=lambda m: sum(q.numel() for q in m.parameters()))
+        self.root, self.handwritten = best, True
+        self.steps = self._backwards - 1   # the backward passes before this one were steps too (unchecked)
+        self._device_type = device_of_module(best)
+        self._hook_root(best)
+        self._make_guard(unwrap(best))
+        self.guard.can_skip = False
+        self.guard.replay = self.guard.unlocated = None   # watch --at counts optimizer steps: there are none
+        module, args, kwargs, autocast, rng, loss = next(c for c in reversed(first) if c[0] is best)
+        self._note_call(args, kwargs, autocast)
+        self._note_out(loss)
+        self.notes.append("no torch.optim optimizer: the weights are updated by hand, so each backward pass is "
+                          "checked as a step (loss and gradients) and a bad one is reported, never skipped")
+
     # -- the optimizer step --
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         if not self._checked:
@@ -342,6 +395,7 @@ class Watcher(ScriptHooks):
                                         grad_norm=None)
         p.extra["watch_rerun"] = {"loss_in_forward": not missing}
         g.conclude(extra={"root": type(self.root).__name__ if self.root is not None else None,
+                          "handwritten": self.handwritten,
                           "argv": list(sys.argv), "at": self._at_record(p)})
 
     # -- what `nanprobe watch --at N` needs from this run (see nanprobe.watch.at) --
