@@ -405,6 +405,7 @@ class HookedGuard:
                               reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
                               compiled=_capsule.compiled_graphs() > 0,
                               trend=self.core.monitor.trend if self.core.monitor is not None else None,
+                              breakaway=self.core.judge.breakaway if p.status is Status.DIVERGING else None,
                               **scheduler_info(target))
             loaded = Loaded(target=target, entry=self.entry or "ENTRY", module="", function="",
                             path=None, lineno=None)
