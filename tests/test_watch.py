@@ -25,6 +25,7 @@ from nanprobe.pipeline.diagnose import diagnose
 from nanprobe.watch import find_loss, parse_command, watch
 
 WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+SQRT = WATCH / "sqrt_backward.py"
 SCRIPT = WATCH / "own_trainer.py"
 LOG_LINE = next(i + 1 for i, text in enumerate(SCRIPT.read_text().splitlines())
                 if "nll = rate - counts * torch.log(rate)" in text)
@@ -392,3 +393,17 @@ def test_watch_checks_a_hand_written_update_and_reports_the_first_bad_step(tmp_p
            "skipped)" in result.summary()
     # the hand-written update made every weight NaN: the next step is stopped, as a skip could not save it either
     assert result.events[-1].action == "raised" and result.exit_code == 1
+
+
+def test_watch_says_what_it_could_not_see_and_how_to_cover_it(tmp_path):
+    """The summary line and the reports name the parts of a step watch could not see: a clip on gradients the
+    GradScaler still scales, a loss outside the model."""
+    result = watch(["python", str(WATCH / "unseen_parts.py")], dirpath=tmp_path)
+    assert result.exit_code == 0 and result.steps == 12 and result.events == ()
+    summary = result.summary()
+    assert "not seen: clip_grad_norm_ ran on gradients still scaled by the GradScaler" in summary, summary
+    # a loss outside the model (sqrt_backward.py computes it in the loop): said in the summary and the report
+    out = watch(["python", str(SQRT)], dirpath=tmp_path / "sqrt")
+    assert "not seen: the loss outside the model's forward (watch --at N locates a NaN born there)" in out.summary()
+    notes = json.loads(Path(out.events[0].report).read_text())["notes"]
+    assert any(n.startswith("not seen by watch: the loss is computed outside the model's forward") for n in notes)

@@ -29,6 +29,7 @@ class ScriptHooks:
         self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
         self.scaled: set[int] = set()        # ids of this step's GradScaler.scale outputs (not losses)
         self._in_scaler_step = False         # inside GradScaler.step: the optimizer step is its
+        self.scaler_seen: torch.amp.GradScaler | None = None   # the GradScaler the script scales its loss with
         self._patches: list[Patch] = []
         self._hooks: list[Any] = []
 
@@ -126,6 +127,7 @@ class ScriptHooks:
         def scale(scaler, outputs):
             out = original(scaler, outputs)
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and hooks.listening():
+                hooks.scaler_seen = scaler
                 hooks.scaled.add(id(out))
                 hooks.on_loss(outputs)
             return out

@@ -33,6 +33,7 @@ class WatchResult:
     notes: tuple[str, ...] = ()
     processes: tuple[ProcessRow, ...] | None = None   # a followed command's Python processes (None: in-process)
     handwritten: bool = False      # no optimizer: the update is the script's own code (each backward checked)
+    unseen: tuple[str, ...] = ()   # what watch could not see, in short (the report's notes say how to cover it)
 
     def summary(self) -> str:
         """The one line at the end: what was watched, or a warning that nothing was."""
@@ -50,7 +51,8 @@ class WatchResult:
             "so none could be skipped)" if self.handwritten else f"{self.steps} optimizer step(s) seen"
         return (f"nanprobe watch: 1 process, {seen}, {bad} bad step(s), "
                 + (f"{diverging} slow divergence(s), " if diverging else "")
-                + f"{len(reports)} report(s) written" + (f" (first: {shown(reports[0].report)})" if reports else ""))
+                + f"{len(reports)} report(s) written" + (f" (first: {shown(reports[0].report)})" if reports else "")
+                + (f"; not seen: {'; '.join(self.unseen)}" if self.unseen else ""))
 
 
 def _plural(n: int, word: str) -> str:
@@ -228,7 +230,7 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
         written = str(json_out)
     root = type(watcher.root).__name__ if watcher.root is not None else None
     return WatchResult(argv=tuple(command), exit_code=code, steps=watcher.steps, events=tuple(watcher.events),
-                       handwritten=watcher.handwritten,
+                       handwritten=watcher.handwritten, unseen=tuple(short for short, _ in watcher.unseen()),
                        root=root, json=written, error=error, notes=tuple(watcher.notes))
 
 

@@ -102,6 +102,7 @@ class Watcher(ScriptHooks):
         self._optimizers_made = 0                 # torch.optim optimizers the script created
         self._backwards = 0                       # backward passes before any optimizer stepped
         self._writers: weakref.WeakSet | None = None   # the script's TensorBoard SummaryWriters (once it uses one)
+        self._unseen: dict[str, tuple[str, str]] = {}    # what watch could not see: (short, full) by kind
         self._device_type = "cpu"
 
     # -- install / remove --
@@ -268,7 +269,21 @@ class Watcher(ScriptHooks):
             self._early_losses.append(t.detach())
 
     def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        s = self.scaler_seen
+        if s is not None and s.is_enabled() and not any(
+                getattr(st.get("stage"), "name", "") == "UNSCALED" for st in s._per_optimizer_states.values()):
+            self._unseen["scaled_clip"] = (
+                "clip_grad_norm_ ran on gradients still scaled by the GradScaler",
+                "clip_grad_norm_ ran on gradients still scaled by the GradScaler: its norm, and the clipping, are off "
+                "by the loss scale; call scaler.unscale_(optimizer) before clipping. watch judged the unscaled "
+                "gradient norm instead")
+            return   # that norm is not the gradients': the check computes its own
         self._clip = (norm, max_norm)
+
+    def unseen(self) -> list[tuple[str, str]]:
+        """What part of the steps watch could not see, and how to cover it: (short, full) lines."""
+        out = dict(self._unseen)
+        return list(out.values())
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         unscale_ready(scaler, optimizer)
@@ -357,6 +372,13 @@ class Watcher(ScriptHooks):
         if not g.in_step:   # no root call captured in this step
             self._losses, self._loss_missing = [], True
             g.micro(None, self.steps)
+        if self._loss_missing and self.root is not None and "loss" not in self._unseen:
+            self._unseen["loss"] = (
+                "the loss outside the model's forward (watch --at N locates a NaN born there)",
+                "the loss is computed outside the model's forward: watch reruns the forward in-process, so a NaN "
+                "born in the loss or in its backward is located by re-executing the script (nanprobe watch --at N, "
+                "by default within watch.explain_budget); return the loss from forward to have it checked "
+                "in-process")
         scaler = self._scaler
         position = Position(step=self.steps, epoch=None, index=self.steps, items=())
         clip, self._clip = self._clip, None
@@ -450,6 +472,8 @@ class Watcher(ScriptHooks):
                 "ops": ops_between(self._loss_nodes, {id(n) for n in self._output_nodes})}
 
     def _adjust(self, report: Report, p: Pending) -> Report:
+        report = dataclasses.replace(report, notes=(*report.notes, *(f"not seen by watch: {full}"
+                                                                      for _, full in self.unseen())))
         if p.status is Status.DIVERGING:   # a finite step: the report is its trajectory and mechanism
             return dataclasses.replace(report, status=Status.DIVERGING)
         loss_in_forward = p.extra.get("watch_rerun", {}).get("loss_in_forward", False)
