@@ -308,3 +308,18 @@ def test_watch_at_follows_a_lightning_script_whose_steps_run_in_a_closure(tmp_pa
     assert (data["step"], data["origin"]["phase"], data["origin"]["node"], data["findings"][0]["cause"]) == \
         (expected, "backward", "SqrtBackward0", "sqrt")
     assert data["origin"]["module"] == "(loss outside the model)" and data["fidelity"]["reproduced"] is True
+
+
+def test_watch_explains_a_loss_outside_the_model_it_cannot_pin_to_one_op(tmp_path):
+    """In-process, a loss outside the model is read from its autograd graph: a div and an acos there leave the
+    cause unknown. By default watch re-executes the step, and the --json report names acos, its line and
+    cause domain."""
+    reports, out = tmp_path / "reports", tmp_path / "watch.json"
+    res = runner.invoke(app, ["watch", "--dir", str(reports), "--json", str(out), "--", "python",
+                              str(WATCH / "angle_margin.py")])
+    assert res.exit_code == 0, res.output
+    data = _json(out)
+    first = _json(Path(data["watch_explained"]["in_process_report"]))
+    assert first["findings"][0]["cause"] == "unknown" and first["origin"]["op"] is None
+    assert (data["step"], data["origin"]["op"], data["findings"][0]["cause"]) == (5, "aten.acos.default", "domain")
+    assert data["origin"]["source"].endswith("angle_margin.py:30")

@@ -345,7 +345,8 @@ def _not_reproduced(at: int, entry: str, first_status: Status | None, rows: list
 
 
 def unlocated_step(events: Sequence[Any]) -> int | None:
-    """The first bad step of a watched run whose report locates no origin (born in backward or update)."""
+    """The first bad step of a watched run whose report locates no origin (born in backward or update), or
+    names no single op for it (a loss outside the model with several ops that could have made the value)."""
     for e in events:
         if not e.report:
             continue
@@ -354,11 +355,13 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
         except (OSError, ValueError):
             continue
         top = (data.get("findings") or [{}])[0]
+        origin = data.get("origin")
+        vague = origin is None or (origin.get("op") is None and top.get("cause") == Cause.UNKNOWN.value)
         # a data finding says where the value came from; --at arms at the root module's forward (a functional
-        # model has none)
-        if data.get("origin") is None and data.get("status") not in (Status.FINITE.value, Status.DIVERGING.value) \
+        # model has none) and counts optimizer steps (a hand-written update has none)
+        if vague and data.get("status") not in (Status.FINITE.value, Status.DIVERGING.value) \
                 and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root") \
-                and not (data.get("watch") or {}).get("handwritten"):   # --at counts optimizer steps
+                and not (data.get("watch") or {}).get("handwritten"):
             return e.step
     return None
 
