@@ -323,3 +323,16 @@ def test_watch_explains_a_loss_outside_the_model_it_cannot_pin_to_one_op(tmp_pat
     assert first["findings"][0]["cause"] == "unknown" and first["origin"]["op"] is None
     assert (data["step"], data["origin"]["op"], data["findings"][0]["cause"]) == (5, "aten.acos.default", "domain")
     assert data["origin"]["source"].endswith("angle_margin.py:30")
+
+
+def test_watch_does_not_call_a_nan_loss_an_exp_overflow():
+    """exp makes +inf, never NaN, from a finite input: a NaN loss whose graph holds only exp (the NaN came in
+    through a value computed without gradients, e.g. PPO's advantages) is left to the re-execution."""
+    from nanprobe.base.report import Cause
+    from nanprobe.reach.forward import loss_outside_finding
+
+    ops = ["MeanBackward0", "MulBackward0", "ExpBackward0", "SubBackward0"]
+    finding, origin = loss_outside_finding({"ops": ops, "loss": "nan", "kind": "nan"}, "fp32")
+    assert (finding.cause, origin.op) == (Cause.UNKNOWN, None)
+    finding, origin = loss_outside_finding({"ops": ops, "loss": "inf", "kind": "inf"}, "fp32")
+    assert (finding.cause, origin.op) == (Cause.OVERFLOW, "aten.exp")

@@ -68,7 +68,9 @@ class ForwardStep:
 
 _RISKY = {"log": Cause.LOG, "log1p": Cause.LOG, "log2": Cause.LOG, "log10": Cause.LOG, "xlogy": Cause.LOG,
           "div": Cause.DIV, "reciprocal": Cause.DIV, "rsqrt": Cause.DIV, "sqrt": Cause.SQRT,
-          "acos": Cause.DOMAIN, "asin": Cause.DOMAIN, "atanh": Cause.DOMAIN, "exp": Cause.OVERFLOW}
+          "acos": Cause.DOMAIN, "asin": Cause.DOMAIN, "atanh": Cause.DOMAIN, "exp": Cause.OVERFLOW,
+          # the unbiased std / var of one value divides by n - 1 = 0: NaN from a finite input
+          "std": Cause.DIV, "var": Cause.DIV, "stdmean": Cause.DIV, "varmean": Cause.DIV}
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
@@ -120,10 +122,18 @@ def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding,
         lines.insert(1, f"ops among them that can make a non-finite value from finite inputs: {', '.join(risky)}")
     op = f"aten.{risky[0]}" if len(risky) == 1 else None
     cause = _RISKY[risky[0]] if len(risky) == 1 else Cause.UNKNOWN
+    if info.get("kind") == "nan" and set(risky) <= _INF_ONLY:   # exp makes inf, never NaN from a finite input
+        op, cause = None, Cause.UNKNOWN
+        lines.insert(2, "but the loss is NaN, which exp does not make from a finite input: the NaN may come from a "
+                        "value computed without gradients (advantages, targets, a normalisation) that the graph "
+                        "does not show")
     finding = Finding(cause=cause, confidence=0.6 if len(risky) == 1 else 0.4, phase=Phase.FORWARD, module=module,
                       op=op, evidence=tuple(lines))
     origin = Origin(phase=Phase.FORWARD, module=module, op=op, precision=precision, kind=info.get("kind"))
     return finding, origin
+
+
+_INF_ONLY = {"exp"}   # ops that make +inf, not NaN, from finite inputs
 
 
 def _base(node_name: str) -> str:
