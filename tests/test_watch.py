@@ -389,6 +389,9 @@ def test_watch_checks_a_hand_written_update_and_reports_the_first_bad_step(tmp_p
     top = data["findings"][0]
     assert (data["step"], top["cause"], top["phase"]) == (6, "data", "input"), top
     assert data["watch"]["handwritten"] is True and data["watch"]["action"] == "seen"
+    # the step size of each hand-written update is measured (|dw|/|w| between backward passes): small at lr 0.1
+    ratios = [h["update_ratio"] for h in data["history"] if h["update_ratio"] is not None]
+    assert ratios and all(0 < r < 0.5 for r in ratios), data["history"]
     assert "backward pass(es) checked (no torch.optim optimizer: the update is written by hand, so none could be " \
            "skipped)" in result.summary()
     # the hand-written update made every weight NaN: the next step is stopped, as a skip could not save it either

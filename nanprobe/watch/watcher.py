@@ -101,6 +101,7 @@ class Watcher(ScriptHooks):
         self.handwritten = False                  # no optimizer: each backward is a step, checked after it
         self._optimizers_made = 0                 # torch.optim optimizers the script created
         self._backwards = 0                       # backward passes before any optimizer stepped
+        self._w_prev: torch.Tensor | None = None  # a sample of the weights at the last backward (hand-written)
         self._writers: weakref.WeakSet | None = None   # the script's TensorBoard SummaryWriters (once it uses one)
         self._unseen: dict[str, tuple[str, str]] = {}    # what watch could not see: (short, full) by kind
         self._device_type = "cpu"
@@ -318,6 +319,7 @@ class Watcher(ScriptHooks):
             g.micro(None, self.steps)
         params = [q for q in g.model.parameters() if q.grad is not None]
         norm = total_norm([q.grad for q in params])
+        self._note_update(g)
         position = Position(step=self.steps, epoch=None, index=self.steps, items=())
         g.check(self.steps, [], norm=norm, position=position)   # nothing can be skipped: seen and reported
         if g.pending is not None and g.pending.step == self.steps:
@@ -325,6 +327,19 @@ class Watcher(ScriptHooks):
         self.steps += 1
         if g.pending is not None:
             self._finish()
+
+    def _note_update(self, g: HookedGuard) -> None:
+        """The step size of the update the script made by hand since the last backward: |dw|/|w| of a strided
+        sample of the weights, set on the previous step's record (the evidence an LR too high leaves)."""
+        with torch.no_grad():
+            sample = torch.cat([q.detach().reshape(-1)[::max(1, q.numel() // 256)].float()
+                                for q in g.model.parameters() if q.numel() and q.is_floating_point()])
+        prev, self._w_prev = self._w_prev, sample
+        history = g.core.history
+        if prev is None or prev.shape != sample.shape or not history or history[-1].step != self.steps - 1:
+            return
+        ratio = float((sample - prev).norm() / prev.norm().clamp_min(1e-30))   # hand-written loops only
+        history[-1] = dataclasses.replace(history[-1], update_ratio=ratio)
 
     def _start_handwritten(self) -> None:
         """The root is the largest module called at the top level; this step's call is its first micro-batch."""
