@@ -146,7 +146,7 @@ class Monitor:
     """Installs the cheap per-step statistics around one step of ``model``."""
 
     def __init__(self, model: torch.nn.Module, cfg: MonitorConfig, *, dtype: torch.dtype | None = None,
-                 every: int | None = None, activations: bool = False, updates: bool = True):
+                 every: int | None = None, activations: bool = False, live: bool = False):
         self.model, self.cfg = model, cfg
         self.every = max(1, every if every is not None else cfg.every)
         self.dtype = dtype
@@ -160,10 +160,13 @@ class Monitor:
             if self.short_range or activations else []
         self.named_params = list(model.named_parameters())
         # the update statistics read a fixed strided sample of each parameter (a few hundred entries): |dw|/|w|
-        # and the cosine of the update with -grad, without a copy of the weights. Not in a live run (``updates``
-        # False): its step is closed at the check, before the update, which has not moved the weights yet
+        # and the cosine of the update with -grad, without a copy of the weights. A live run (``live``) closes its
+        # step at the check, before the update: there the sample is taken at the check of the step before a
+        # monitored one (``pre_sample``), and the monitored step's check measures that step's update
         self.sampled = [(p, max(1, p.numel() // UPDATE_SAMPLE)) for _, p in self.named_params
-                        if p.numel() and p.is_floating_point() and not hasattr(p, "full_tensor")] if updates else []
+                        if p.numel() and p.is_floating_point() and not hasattr(p, "full_tensor")]
+        self.live = live
+        self._pre: tuple[int, torch.Tensor, torch.Tensor] | None = None   # live: (step, weights, grads) samples
         self._w0: torch.Tensor | None = None
         self.trend = Trend(cfg, dtype, classes=self.output[1].out_features if self.output is not None else None)
         self._handles: list[Any] = []
@@ -180,7 +183,7 @@ class Monitor:
         if not self.due(step) or self._active:
             return False
         self._active, self._sink, self._acts = True, {}, []
-        self._w0 = self._sample() if self.sampled else None
+        self._w0 = self._sample() if self.sampled and not self.live else None
         for name, m in self.attention:
             mode = _AttentionMode(self._sink, name)
             self._handles.append(m.register_forward_pre_hook(lambda mod, args, mode=mode: _enter(mode)))
@@ -191,6 +194,13 @@ class Monitor:
             for name, m in self.leaves:
                 self._handles.append(m.register_forward_hook(lambda mod, args, out, name=name: self._act(name, out)))
         return True
+
+    def pre_sample(self, step: int) -> None:
+        """Live: the check of ``step`` passed, its update comes next; when the next step is monitored, sample the
+        weights and gradients now, so that its check measures the update (|dw|/|w|, cosine with -grad)."""
+        if self.live and self.sampled and self.due(step + 1):
+            with torch.no_grad():
+                self._pre = (step, self._sample(), self._sample(grads=True))
 
     def _sample(self, grads: bool = False) -> torch.Tensor:
         with torch.no_grad():
@@ -250,13 +260,17 @@ class Monitor:
                 norms = [full_value(n) for n in norms]
         eps_share = self._adam_eps_share(optimizers)
         upd: list[torch.Tensor] = []
-        if self._w0 is not None:
+        w0, g = self._w0, None
+        pre, self._pre = self._pre, None
+        if self.live and pre is not None and pre[0] == step - 1:   # the update of the step before, applied since
+            w0, g = pre[1], pre[2]
+        if w0 is not None:
             with torch.no_grad():
-                d = self._sample() - self._w0
-                g = self._sample(grads=True)
+                d = self._sample() - w0
+                g = self._sample(grads=True) if g is None else g
                 dn, gn = d.norm(), g.norm()
                 cos = -(d * g).sum() / (dn * gn).clamp_min(1e-30)
-                upd = [dn / self._w0.norm().clamp_min(1e-30), torch.where(gn > 0, cos, torch.nan)]
+                upd = [dn / w0.norm().clamp_min(1e-30), torch.where(gn > 0, cos, torch.nan)]
             self._w0 = None
         extra = ([eps_share] if eps_share is not None else []) + upd
         flat = torch.stack(vals + acts + list(norms) + extra).tolist() \
@@ -782,7 +796,7 @@ def live_monitor(model: torch.nn.Module, config: Any, precision: Any) -> Monitor
     if not cfg.enabled:
         return None
     low = getattr(precision, "low", False)
-    return Monitor(model, cfg, dtype=precision.dtype if low else None, every=cfg.live_every, updates=False)
+    return Monitor(model, cfg, dtype=precision.dtype if low else None, every=cfg.live_every, live=True)
 
 
 # the precursor series a live run logs beside the user's own scalars (the loss, LR and grad norm are the user's)

@@ -297,6 +297,12 @@ class StepCore:
                            optimizers=optimizers, logger=self.logger)
             if w is not None:
                 self.warnings.append(w)
+            if monitored:   # the update of the step before, measured now: on its record (step-size evidence)
+                ratio = self.monitor.trend.series.get("update/ratio")
+                if ratio and ratio[-1][0] == r.step and self.history and self.history[-1].step == r.step - 1:
+                    self.history[-1] = dataclasses.replace(self.history[-1], update_ratio=ratio[-1][1])
+            if self.monitor is not None:
+                self.monitor.pre_sample(r.step)
             if monitored and self.curves is not None:
                 values = curves_at(self.monitor.trend, r.step)
                 try:
