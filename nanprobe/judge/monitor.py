@@ -162,7 +162,7 @@ class Monitor:
         # the update statistics read a fixed strided sample of each parameter (a few hundred entries): |dw|/|w|
         # and the cosine of the update with -grad, without a copy of the weights. A live run (``live``) closes its
         # step at the check, before the update: there the sample is taken at the check of the step before a
-        # monitored one (``pre_sample``), and the monitored step's check measures that step's update
+        # monitored one (``pre_sample``), and the monitored step's check measures that step's |dw|/|w|
         self.sampled = [(p, max(1, p.numel() // UPDATE_SAMPLE)) for _, p in self.named_params
                         if p.numel() and p.is_floating_point() and not hasattr(p, "full_tensor")]
         self.live = live
@@ -271,6 +271,8 @@ class Monitor:
                 dn, gn = d.norm(), g.norm()
                 cos = -(d * g).sum() / (dn * gn).clamp_min(1e-30)
                 upd = [dn / w0.norm().clamp_min(1e-30), torch.where(gn > 0, cos, torch.nan)]
+                if self.live:   # |dw|/|w| only: ten steps apart, one step's gradient against an update that Adam's
+                    upd = upd[:1]   # momentum made from other batches is no sign of ascent (PPO's minibatches)
             self._w0 = None
         extra = ([eps_share] if eps_share is not None else []) + upd
         flat = torch.stack(vals + acts + list(norms) + extra).tolist() \
@@ -300,7 +302,9 @@ class Monitor:
             v["optimizer/adam_v_below_eps"] = flat[i]
             i += 1
         if upd:
-            v["update/ratio"], v["update/cosine"] = flat[i], flat[i + 1]
+            v["update/ratio"] = flat[i]
+            if len(upd) > 1:
+                v["update/cosine"] = flat[i + 1]
         for key, x in (("train/loss", loss), ("grad/norm", grad_norm), ("optimizer/lr", lr), ("optimizer/loss_scale", scale)):
             if x is not None:
                 v[key] = float(x)
