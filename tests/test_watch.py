@@ -410,3 +410,16 @@ def test_watch_says_what_it_could_not_see_and_how_to_cover_it(tmp_path):
     assert "not seen: the loss outside the model's forward (watch --at N locates a NaN born there)" in out.summary()
     notes = json.loads(Path(out.events[0].report).read_text())["notes"]
     assert any(n.startswith("not seen by watch: the loss is computed outside the model's forward") for n in notes)
+
+
+def test_a_clip_inside_the_optimizers_step_is_not_the_next_steps_norm(tmp_path, capsys):
+    """BertAdam clips inside step(), after watch's check: that clip's norm must not stand for the next step's
+    gradient norm (it did: each step was judged by the previous step's norm)."""
+    result = watch(["python", str(WATCH / "clip_inside_step.py")], dirpath=tmp_path)
+    printed = {int(s): float(n) for s, n in re.findall(r"step (\d+) grad_norm (\S+)", capsys.readouterr().out)}
+    assert result.events and result.events[0].step == 4
+    history = json.loads(Path(result.events[0].report).read_text())["history"]
+    seen = {h["step"]: h["grad_norm"] for h in history if h["step"] < 4}
+    assert seen.keys() == {0, 1, 2, 3}
+    for step, norm in seen.items():
+        assert norm == pytest.approx(printed[step], rel=1e-5), (step, seen, printed)

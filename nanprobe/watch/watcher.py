@@ -410,6 +410,7 @@ class Watcher(ScriptHooks):
             self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
 
     def step_done(self) -> None:
+        self._clip = None   # a clip inside the optimizer's own step (BertAdam's) came after the check: not the next's
         self._checked = self._in_closure = False
         self.scaled.clear()
         self._output_nodes, self._loss_nodes = [], []
