@@ -11,11 +11,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class ClippingSGD(torch.optim.SGD):
+class ClippingSGD(torch.optim.Optimizer):
+    """SGD that clips the gradients inside its own step (its own step: no call to another optimizer's)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             torch.nn.utils.clip_grad_norm_(group["params"], 0.01)   # <- inside step(): after watch's check
-        return super().step(closure)
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
 
 
 def main() -> None:
