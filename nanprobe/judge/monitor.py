@@ -202,6 +202,10 @@ class Monitor:
             with torch.no_grad():
                 self._pre = (step, self._sample(), self._sample(grads=True))
 
+    def sample(self) -> torch.Tensor:
+        """The fixed strided sample of the weights the update statistics read (no sync)."""
+        return self._sample()
+
     def _sample(self, grads: bool = False) -> torch.Tensor:
         with torch.no_grad():
             parts = []

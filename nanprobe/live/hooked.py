@@ -263,26 +263,21 @@ class HookedGuard:
     def _diverging(self, v: Verdict, position: Position | None) -> None:
         """The loss broke away with a precursor behind it: the step is diagnosed after the framework's step
         (trajectory, mechanism), nothing is skipped and no capsule is written (the step itself is finite)."""
-        target = self.build_target()
-        loop = Loop(target, self.entry or f"<{self.command}>", target.precision)
-        loop.objects.storage = storage_policy(self.cfg.replay)
-        core = self.core
-        rng_after = list(core.rng_after)
-        rng = rng_after[0] if rng_after else core.rngs.capture()
-        before = None
-        if self.reports < self.max_reports and not sharded(self.model) and fsdp1_root(self.model) is None:
-            before = core.at_start(lambda: loop.objects.take(rng=rng))
-            self.reports += 1
-        self.pending = Pending(step=v.record.step, status=v.status, reason=v.reason or "slow divergence", local=True,
-                               record=v.record, history=list(core.history), loop=loop, before=before,
-                               items=[clone_batch(b) for b in core.items], rng_after=rng_after, position=position,
-                               capsule=None, capsule_note=None, corrupt=False, rank=v.rank, world=v.world,
-                               undiagnosed=None if before is not None else "not diagnosed in-process")
+        self._pend(v, position, None, corrupt=False)
 
     def _bad(self, v: Verdict, position: Position | None, settings: dict[str, Any]) -> bool:
+        corrupt = self.core.caught(v, self.policy if self.can_skip else "record")   # nothing skipped: buffers kept
+        self._pend(v, position, settings, corrupt=corrupt)
+        # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
+        self.core.history.append(v.record)
+        if self.on_bad is not None:
+            self.on_bad(self.pending)
+        return self.policy != "record" and self.can_skip
+
+    def _pend(self, v: Verdict, position: Position | None, settings: dict[str, Any] | None, *, corrupt: bool) -> None:
+        """The step waits for the framework to finish it: its batches, RNG and the state before it (for the
+        in-process diagnosis), and its capsule (``settings``; None: none, the step is finite)."""
         core = self.core
-        corrupt = core.caught(v, self.policy if self.can_skip else "record")   # nothing skipped: buffers as they are
-        step, local = v.record.step, v.local
         target = self.build_target()
         loop = Loop(target, self.entry or f"<{self.command}>", target.precision)
         loop.objects.storage = storage_policy(self.cfg.replay)
@@ -294,26 +289,22 @@ class HookedGuard:
         if sharded(self.model) or fsdp1_root(self.model) is not None:
             undiagnosed = ("not diagnosed in-process: the model is sharded (FSDP), so no rank can rerun its "
                            "step alone; replay the capsule (`nanprobe run` loads its full weights on one process)")
-        elif local and self.reports >= self.max_reports:
+        elif v.local and self.reports >= self.max_reports:
             undiagnosed = "not diagnosed in-process: max_reports reached; its replay command follows"
-        before = core.at_start(lambda: loop.objects.take(rng=rng)) if local and undiagnosed is None else None
+        before = core.at_start(lambda: loop.objects.take(rng=rng)) if v.local and undiagnosed is None else None
         if before is not None:
             self.reports += 1
         path = note = None
-        if not corrupt:
+        if settings is not None and not corrupt:
             try:
                 path = self._write_capsule(loop, items, rng, rng_after, v, position, settings)
             except OSError as exc:
                 note = f"capsule not written: {exc.strerror or exc}"
-        self.pending = Pending(step=step, status=v.status, reason=v.reason or "bad step", local=local,
+        default = "slow divergence" if settings is None else "bad step"
+        self.pending = Pending(step=v.record.step, status=v.status, reason=v.reason or default, local=v.local,
                                record=v.record, history=list(core.history), loop=loop, before=before, items=items,
                                rng_after=rng_after, position=position, capsule=path, capsule_note=note,
                                corrupt=corrupt, rank=v.rank, world=v.world, undiagnosed=undiagnosed)
-        # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
-        core.history.append(v.record)
-        if self.on_bad is not None:
-            self.on_bad(self.pending)
-        return self.policy != "record" and self.can_skip
 
     def _write_capsule(self, loop: Loop, items, rng, rng_after, v: Verdict, position: Position | None,
                        settings: dict[str, Any]) -> Path | None:

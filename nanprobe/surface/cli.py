@@ -476,7 +476,7 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
             print(f"nanprobe watch: step {step} was not located in-process: re-executing the script to step {step} "
                   "to explain it (--no-explain skips this)", file=sys.stderr)
             line, _ = explain_steps(result.events, command or [], dirpath=dirpath, config=config,
-                                    json_out=json_out, seconds=seconds)
+                                    json_out=json_out, seconds=seconds, step=step)
         if line:
             print(line, file=sys.stderr)
     raise typer.Exit(result.exit_code)

@@ -368,7 +368,7 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
 
 def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.PathLike = DEFAULT_DIR,
             config: str | os.PathLike | None = None, json_out: str | os.PathLike | None = None,
-            seconds: float | None = None) -> tuple[str | None, Path | None]:
+            seconds: float | None = None, step: int | None = None) -> tuple[str | None, Path | None]:
     """After the watched run, the first bad step it did not locate is explained by ``nanprobe watch --at N``
     in a fresh interpreter (the script starts as it did: its start state is restored from --dir). With
     ``json_out`` (watch's --json), that file becomes the explained report, with a ``watch_explained`` section
@@ -377,7 +377,7 @@ def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.
     import subprocess
     import tempfile
 
-    step = unlocated_step(events)
+    step = unlocated_step(events) if step is None else step   # (explain_line found it already)
     if step is None:
         return None, None
     command_line = at_command(step, command, dirpath)

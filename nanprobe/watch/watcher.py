@@ -330,10 +330,11 @@ class Watcher(ScriptHooks):
 
     def _note_update(self, g: HookedGuard) -> None:
         """The step size of the update the script made by hand since the last backward: |dw|/|w| of a strided
-        sample of the weights, set on the previous step's record (the evidence an LR too high leaves)."""
-        with torch.no_grad():
-            sample = torch.cat([q.detach().reshape(-1)[::max(1, q.numel() // 256)].float()
-                                for q in g.model.parameters() if q.numel() and q.is_floating_point()])
+        sample of the weights (the monitor's), set on the previous step's record (the evidence an LR too high
+        leaves). Every step here: the monitor's own update statistics come every ``monitor.live_every`` steps."""
+        if g.monitor is None or not g.monitor.sampled:
+            return
+        sample = g.monitor.sample()
         prev, self._w_prev = self._w_prev, sample
         history = g.core.history
         if prev is None or prev.shape != sample.shape or not history or history[-1].step != self.steps - 1:
