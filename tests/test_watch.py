@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import runpy
@@ -374,8 +375,9 @@ def test_watch_logs_the_precursor_curves_to_the_scripts_own_tensorboard_writer(t
     assert result.exit_code == 0 and result.steps == 25 and result.events == ()
     tags = _scalars(logdir)
     assert tags["loss"] == list(range(25))   # the script's own scalar, as it wrote it
-    # every monitored step (monitor.live_every 10; step 0's forward ran before the optimizer was known)
-    assert tags["nanprobe/2/logsumexp"] == [10, 20] and tags["nanprobe/2/logit_mean"] == [10, 20], tags
+    # every monitored step (monitor.live_every 10; step 0's forward ran before the optimizer was known, so the
+    # first step after it is monitored: the level a run that breaks away early is judged against)
+    assert tags["nanprobe/2/logsumexp"] == [1, 10, 20] and tags["nanprobe/2/logit_mean"] == [1, 10, 20], tags
 
 
 def test_watch_checks_a_hand_written_update_and_reports_the_first_bad_step(tmp_path):
@@ -396,6 +398,21 @@ def test_watch_checks_a_hand_written_update_and_reports_the_first_bad_step(tmp_p
            "skipped)" in result.summary()
     # the hand-written update made every weight NaN: the next step is stopped, as a skip could not save it either
     assert result.events[-1].action == "raised" and result.exit_code == 1
+
+
+def test_watch_reports_a_hand_written_loop_that_breaks_away_at_its_first_steps(tmp_path, capsys):
+    """A hand-written loop is known as one at its second backward, after step 0's forward: the monitor's first
+    sample is then step 1, the level the output head's log Z leaves when the LR jumps at step 4. Without it the
+    first sample came at step 10, already diverged, and the break-away had no precursor: nothing was reported."""
+    result = watch(["python", str(WATCH / "handwritten_diverge.py")], dirpath=tmp_path)
+    losses = [float(x) for x in re.findall(r"step \d+ loss (\S+)", capsys.readouterr().out)]
+    assert len(losses) == 40 and all(math.isfinite(x) for x in losses)
+    assert max(losses[:4]) < 3 and min(losses[8:]) > 3 * max(losses[:4])   # the plain run's own break-away
+    assert result.handwritten and len(result.events) == 1, result.summary()
+    data = json.loads(Path(result.events[0].report).read_text())
+    assert data["status"] == "diverging" and data["findings"][0]["cause"] == "lr_spike", data["findings"]
+    assert "output_logit_divergence" in data["findings"][0]["evidence"][0]
+    assert "1 slow divergence(s)" in result.summary() and result.exit_code == 0
 
 
 def test_watch_says_what_it_could_not_see_and_how_to_cover_it(tmp_path):

@@ -43,6 +43,7 @@ _SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
            torch.einsum, torch.baddbmm}
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+EARLY_SAMPLES = 3          # live: steps monitored at the start, until one sees the model's forward
 UPDATE_SAMPLE = 256        # entries per parameter read for |dw|/|w| and the update's cosine with -grad
 ACTIVATIONS_EVERY = 10     # outside fp16, the largest activation is read every this many steps (replay, smoke)
 UPDATE_RISE = 3.0          # the update size over a break-away this many times its level at the loss's best: a rise
@@ -159,6 +160,7 @@ class Monitor:
         self.leaves = [(n, m) for n, m in model.named_modules() if n and not any(True for _ in m.children())] \
             if self.short_range or activations else []
         self.named_params = list(model.named_parameters())
+        self._tops = [model, *model.children()]
         # the update statistics read a fixed strided sample of each parameter (a few hundred entries): |dw|/|w|
         # and the cosine of the update with -grad, without a copy of the weights. A live run (``live``) closes its
         # step at the check, before the update: there the sample is taken at the check of the step before a
@@ -168,14 +170,21 @@ class Monitor:
         self.live = live
         self._pre: tuple[int, torch.Tensor, torch.Tensor] | None = None   # live: (step, weights, grads) samples
         self._w0: torch.Tensor | None = None
-        self.trend = Trend(cfg, dtype, classes=self.output[1].out_features if self.output is not None else None)
+        self.trend = Trend(cfg, dtype, classes=self.output[1].out_features if self.output is not None else None,
+                           live=live)
         self._handles: list[Any] = []
         self._sink: dict[str, list[torch.Tensor]] = {}
         self._acts: list[tuple[str, torch.Tensor]] = []
         self._active = False
+        self._begun, self._forward_seen = 0, False
 
     def due(self, step: int) -> bool:
-        return self.cfg.enabled and step % self.every == 0
+        """Every ``every`` steps; live, also the first steps seen until one saw the model's forward (at most
+        ``EARLY_SAMPLES``): a monitor made after its run's first forward (a hand-written loop is known as
+        one at its second backward) still has the level a run that breaks away early is judged against. Those
+        extra steps measure no update (Adam's first steps are large relative to a fresh init)."""
+        return self.cfg.enabled and (step % self.every == 0 or (self.live and not self._forward_seen and
+                                                                self._begun < EARLY_SAMPLES))
 
     # -- forward: hooks installed for a monitored step only -------------------------------------------
     def begin(self, step: int) -> bool:
@@ -183,6 +192,7 @@ class Monitor:
         if not self.due(step) or self._active:
             return False
         self._active, self._sink, self._acts = True, {}, []
+        self._begun += 1
         self._w0 = self._sample() if self.sampled and not self.live else None
         for name, m in self.attention:
             mode = _AttentionMode(self._sink, name)
@@ -193,12 +203,18 @@ class Monitor:
         if self.short_range or step % max(ACTIVATIONS_EVERY, self.every) == 0:
             for name, m in self.leaves:
                 self._handles.append(m.register_forward_hook(lambda mod, args, out, name=name: self._act(name, out)))
+        if not self._forward_seen:   # a forward of the model while monitored (the top modules: one may be skipped)
+            for m in self._tops:
+                self._handles.append(m.register_forward_pre_hook(self._ran))
         return True
+
+    def _ran(self, *args: Any) -> None:
+        self._forward_seen = True
 
     def pre_sample(self, step: int) -> None:
         """Live: the check of ``step`` passed, its update comes next; when the next step is monitored, sample the
         weights and gradients now, so that its check measures the update (|dw|/|w|, cosine with -grad)."""
-        if self.live and self.sampled and self.due(step + 1):
+        if self.live and self.sampled and self.cfg.enabled and (step + 1) % self.every == 0:
             with torch.no_grad():
                 self._pre = (step, self._sample(), self._sample(grads=True))
 
@@ -275,8 +291,6 @@ class Monitor:
                 dn, gn = d.norm(), g.norm()
                 cos = -(d * g).sum() / (dn * gn).clamp_min(1e-30)
                 upd = [dn / w0.norm().clamp_min(1e-30), torch.where(gn > 0, cos, torch.nan)]
-                if self.live:   # |dw|/|w| only: ten steps apart, one step's gradient against an update that Adam's
-                    upd = upd[:1]   # momentum made from other batches is no sign of ascent (PPO's minibatches)
             self._w0 = None
         extra = ([eps_share] if eps_share is not None else []) + upd
         flat = torch.stack(vals + acts + list(norms) + extra).tolist() \
@@ -333,6 +347,8 @@ class Monitor:
                 for p in group["params"]:
                     st = opt.state.get(p, {})
                     v = st.get("exp_avg_sq")
+                    if hasattr(v, "to_local"):   # FSDP2: this rank's shard (a share needs no reduction)
+                        v = v.to_local()
                     if isinstance(v, torch.Tensor) and v.numel():
                         below.append((v < eps * eps).sum())   # sqrt(v) < eps, without a sqrt pass
                         total += v.numel()
@@ -369,8 +385,13 @@ def _fmt(x: float) -> str:
 class Trend:
     """The monitored series of one run and what they say."""
 
-    def __init__(self, cfg: MonitorConfig, dtype: torch.dtype | None, classes: int | None = None):
+    def __init__(self, cfg: MonitorConfig, dtype: torch.dtype | None, classes: int | None = None,
+                 live: bool = False):
         self.cfg, self.dtype = cfg, dtype
+        # live (every ten steps): one step's gradient against an update that Adam's momentum made from other
+        # batches can read as ascent on a healthy run (PPO's minibatches), so there an update that climbs the
+        # gradient explains a step the judge flagged, but is no precursor of its own (no warning, no divergence)
+        self.live = live
         self.classes = classes     # the output head's width (log Z is read against log of it)
         self.best_step: int | None = None   # where the loss's level was best, when the judge saw it break away
         self.series: dict[str, list[tuple[int, float]]] = {}
@@ -571,7 +592,8 @@ class Trend:
             out.append(Signal(mechanism=Mechanism.LR_SCHEDULE, module=None, onset=up, evidence=(
                 f"from step {up} the applied update climbs the gradient (cosine of the update with -grad "
                 f"{at:.2f}, {_fmt(cos[-1][1])} at step {cos[-1][0]}): the LR applied inside the optimizer is negative"
-                + (f" although the param group's lr is {lr:.3g}" if lr is not None and lr > 0 else ""),), key="update/cosine"))
+                + (f" although the param group's lr is {lr:.3g}" if lr is not None and lr > 0 else ""),),
+                key="update/cosine", independent=not self.live))
         ratio = self.series.get("update/ratio", [])
         norms = dict(self.series.get("grad/norm", []))
         zero = [s for s, x in ratio if x == 0 and norms.get(s, 0) > 0]
