@@ -7,6 +7,7 @@ Each rule has a small reproduction here; tests/test_zoo.py runs it on real publi
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -202,6 +203,42 @@ def test_the_applied_update_is_read_from_the_weights_an_update_that_climbs_the_g
     assert sig and sig[0].independent and sig[0].onset == 32 and "negative" in sig[0].evidence[0]
     assert "although the param group's lr is 0.5" in sig[0].evidence[0]
     assert trend.lr_note(40).startswith("LR 0.5, constant")
+
+
+def test_live_an_update_that_climbs_the_gradient_explains_a_flagged_step_but_raises_nothing_itself():
+    """Live (watch, the Guard, callbacks: every ten steps), one step's gradient against an update that Adam's
+    momentum made from other batches can read as ascent on a healthy run (PPO's minibatches). There the cosine is
+    measured and explains a step the judge flagged (BertAdam's negative applied LR: lr_spike, not unknown), but it
+    is no precursor: no early warning, nothing behind a break-away of the loss."""
+    cos = [(s, -0.7) for s in range(10, 60, 10)]
+    lr = [(s, 1e-3) for s in range(0, 60, 10)]
+    for live in (False, True):
+        t = Trend(MonitorConfig(), None, live=live)
+        for s, x in lr:
+            t.add(Sample(step=s, values={"optimizer/lr": x, **({"update/cosine": dict(cos)[s]} if s else {})}))
+        sig = [x for x in t.signals() if x.mechanism is Mechanism.LR_SCHEDULE]
+        assert sig and "negative" in sig[0].evidence[0] and sig[0].independent is (not live), (live, sig)
+        if live:
+            assert t.behind(50) is None and t.warn(50) is None
+
+
+def test_a_finite_spike_whose_in_process_report_names_a_cause_is_not_re_executed(tmp_path):
+    """watch explains a bad step it could not locate by re-executing the script (--at N). A finite loss spike has
+    no origin to locate: where its in-process report names a cause (OneCycle's LR ramp: lr_spike), that report is
+    the answer (the re-executed one, with fewer steps of history, said unknown); an unknown spike is re-executed."""
+    from types import SimpleNamespace
+
+    from nanprobe.watch.at import unlocated_step
+
+    def event(step, status, cause, origin=None):
+        path = tmp_path / f"{step}.json"
+        path.write_text(json.dumps({"status": status, "origin": origin, "findings": [{"cause": cause}],
+                                    "watch": {"root": "Net", "handwritten": False}}))
+        return SimpleNamespace(step=step, report=str(path))
+
+    assert unlocated_step([event(17, "spike", "lr_spike")]) is None
+    assert unlocated_step([event(17, "spike", "unknown")]) == 17
+    assert unlocated_step([event(5, "nonfinite", "lr_spike")]) == 5   # a NaN: its origin is what --at finds
 
 
 def test_lr_words_come_from_the_lrs_direction():

@@ -61,6 +61,43 @@ def _json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def test_watch_at_arms_a_functional_model_at_the_end_of_the_step_before(tmp_path, capsys):
+    """A model whose forward is never called (a GAN written with methods and free tensors): watch catches the
+    step but has no root module to rerun, and --at had no forward to arm at ("not instrumented"). It now arms
+    when step N-1's update ends, over the optimizer's parameters, and finds the log of an exact 0 in forward."""
+    script = WATCH / "functional_log.py"
+    result = watch(["python", str(script)], dirpath=tmp_path)
+    out = capsys.readouterr().out
+    expected = _first(out, r"step (\d+) loss (?:inf|nan)")
+    bad = result.events[0]
+    command = f"nanprobe watch --at {expected} --dir {tmp_path} -- python {script}"
+    assert bad.step == expected and _json(bad.report)["origin"] is None and command in bad.headline, bad
+    at = watch_at(["python", str(script)], expected, dirpath=tmp_path)
+    capsys.readouterr()
+    data = at.report.to_json()
+    line = next(i + 1 for i, text in enumerate(script.read_text().splitlines()) if "torch.log(1 - p)" in text)
+    assert at.reproduced is True and data["origin"]["op"] == "aten.log.default", data["origin"]
+    assert data["origin"]["phase"] == "forward" and data["origin"]["source"].endswith(f"functional_log.py:{line}")
+    assert data["findings"][0]["cause"] == "log", data["findings"][0]
+
+
+def test_watch_at_tells_an_fp16_underflow_from_a_log_of_zero(tmp_path, capsys):
+    """There is no fp32 reference rerun of the script's own step: the op that made the log's exact 0 (fp16's
+    softmax) is recomputed in float32, where that probability is 9e-14, not 0. Cause underflow, as run says,
+    not log (which the same report said before)."""
+    script = WATCH / "fp16_logprob.py"
+    expected = _first(_plain(script), r"step (\d+) loss \S+ grads nan")
+    capsys.readouterr()
+    watch(["python", str(script)], dirpath=tmp_path)
+    at = watch_at(["python", str(script)], expected, dirpath=tmp_path)
+    capsys.readouterr()
+    data = at.report.to_json()
+    assert (data["origin"]["op"], data["origin"]["phase"]) == ("aten.log.default", "forward"), data["origin"]
+    top = data["findings"][0]
+    assert top["cause"] == "underflow" and any("non-zero in fp32" in e for e in top["evidence"]), top
+    assert data["findings"][1]["cause"] == "log"   # the secondary: what the zero did
+
+
 def test_watch_at_locates_a_nan_born_in_backward_that_watch_alone_does_not(tmp_path, capsys):
     expected = _first(_plain(SQRT), r"step (\d+) loss \S+ grads nan")
     capsys.readouterr()
@@ -271,7 +308,7 @@ w = torch.randn(4, 1, requires_grad=True)
 opt = torch.optim.SGD([w], lr=0.1)
 for step in range(5):
     x = torch.randn(8, 4)
-    if step == 2:
+    if step == 0:
         x[0, 0] = float("nan")
     loss = ((x @ w) ** 2).mean()
     opt.zero_grad()
@@ -281,17 +318,19 @@ for step in range(5):
 
 
 def test_watch_at_says_what_it_cannot_instrument_a_functional_model(tmp_path):
-    """No module holds the parameters: watch does not offer --at, and --at says why it instrumented nothing."""
+    """No module holds the parameters and the bad step is step 0 (--at arms a functional model at the end of
+    the step before, which step 0 has not): watch does not offer --at, and --at says why it instrumented
+    nothing."""
     script = tmp_path / "functional.py"
     script.write_text(FUNCTIONAL)
     result = watch(["python", str(script)], dirpath=tmp_path)
     bad = result.events[0]
-    assert bad.step == 2 and "--at" not in bad.headline
+    assert bad.step == 0 and "--at" not in bad.headline
     assert not any("--at" in n for n in _json(bad.report)["notes"])
-    at = watch_at(["python", str(script)], 2, dirpath=tmp_path)
+    at = watch_at(["python", str(script)], 0, dirpath=tmp_path)
     assert at.report.origin is None and at.report.notes[0].startswith(
-        "not instrumented: no module holding the optimizer's parameters was called with gradients enabled in step 2")
-    assert at.exit_code == 1   # the watched run's step 2 was bad
+        "not instrumented: no module holding the optimizer's parameters was called with gradients enabled in step 0")
+    assert at.exit_code == 1   # the watched run's step 0 was bad
 
 
 def test_watch_at_follows_a_lightning_script_whose_steps_run_in_a_closure(tmp_path, capsys):

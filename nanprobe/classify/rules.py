@@ -306,6 +306,8 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         """
         if not ev.reached.precision.low or probe is None or probe.inputs is None:
             return False
+        # watch --at has no reference rerun: its probe recomputed the op that made the input in float32
+        ref = ev.reference.precision.value if ev.reference is not None else "fp32 (the op that made it, recomputed)"
         ref_zeros = zeros(probe.inputs)
         if n_zeros > ref_zeros:
             tiny = min((s.min_nonzero for s in probe.inputs if s.min_nonzero is not None), default=None)
@@ -315,12 +317,12 @@ def origin_rule(ev: Evidence) -> list[Finding]:
                 # no reference value is small enough to flush: the zeros are rounding (the cancellation of
                 # nearly equal terms, e.g. E[x^2] - E[x]^2), the low precision's lack of digits, not its range
                 lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
-                             f"{ev.reached.precision.value} run but non-zero in {ev.reference.precision.value} "
+                             f"{ev.reached.precision.value} run but non-zero in {ref} "
                              f"(smallest {g(tiny)}, within {run_dtype}'s range): rounding cancelled them (a "
                              f"difference of nearly equal terms); precision is the problem, not the data")
                 return False
             lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
-                         f"{ev.reached.precision.value} run but non-zero in {ev.reference.precision.value} (smallest "
+                         f"{ev.reached.precision.value} run but non-zero in {ref} (smallest "
                          f"{g(tiny)}; {run_dtype} flushes below {lim.subnormal:.2g})")
             findings.append(finding(Cause.UNDERFLOW, 0.92, e, lines))
             findings.append(finding(Cause(kind), 0.6, e, lines[:1] + [

@@ -118,7 +118,7 @@ class HookedGuard:
         self.can_skip = True              # False: the update is the script's own code (no optimizer): seen, not skipped
         self._updating: tuple[int, list[torch.optim.Optimizer]] | None = None   # a checked good step's update
         # what the log line says of a bad step the diagnosis did not locate (step -> text; watch offers --at N)
-        self.unlocated: Callable[[int], str] | None = None
+        self.unlocated: Callable[[int], str | None] | None = None
         # step -> the command that replays it when the capsule's cannot (watch: a loss outside the root
         # module, which a capsule of the root's inputs does not compute), else None
         self.replay: Callable[[int], str | None] | None = None
@@ -421,7 +421,7 @@ class HookedGuard:
         return write_new(self.dirpath, stem, data)
 
 
-def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str] | None = None) -> str:
+def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str | None] | None = None) -> str:
     from ..pipeline.smoke import headline
 
     if report is None:
@@ -432,7 +432,7 @@ def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str]
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
         text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"
     elif report.origin is None and report.top is None:   # nothing located or classified: what the check saw
-        hint = unlocated(p.step) if unlocated is not None else "not located in-process: replay the capsule"
+        hint = (unlocated(p.step) if unlocated is not None else None) or "not located in-process: replay the capsule"
         text = f"step {p.step}: {p.reason} ({hint})"
     return text
 

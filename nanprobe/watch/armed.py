@@ -6,22 +6,24 @@ then the script stopped."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..capsule import compiled_graphs, unwrap
 from ..live.events import current_lr, skip_update, total_norm
 from ..live.core import _f32
-from ..locate.instrument import LOSS_FN, OriginTracker, _anomaly_source
+from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, _tensor_stats
 from ..base.precision import Precision
 from ..base.report import Phase
 from ..base.sharding import weights_finite
 from ..reach.step import Loop
 from ..reach.target import validate
 from .hooks import ScriptHooks, unscale_ready
-from ..reach.forward import ForwardStep, autocast_dtype, batch_of, device_of_module
+from ..reach.forward import ForwardStep, autocast_dtype, batch_of, device_of_module, params_module
 
 
 class Done(BaseException):
@@ -39,11 +41,24 @@ class _LiveTracker(OriginTracker):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.outside: list[str] = []   # the modules outside the model being called (outermost first)
+        # the last low-precision outputs of ops whose value can underflow to 0 (softmax, exp, sigmoid, a cast),
+        # with their inputs: there is no fp32 reference rerun of the script's own step, so an origin fed an exact
+        # 0 from one of them is probed by recomputing that op in float32 (run's underflow check, on one op)
+        self._made: OrderedDict[int, tuple[Any, tuple, torch.Size]] = OrderedDict()
 
     def _check_outputs(self, *args: Any) -> None:
         n = len(self.trace.events)
         had = self.trace.entered
         super()._check_outputs(*args)
+        func, fargs, kwargs, outs = args[:4]
+        if func in _UNDERFLOWS and self.phase is Phase.FORWARD:
+            for o in outs:
+                if o.dtype in (torch.float16, torch.bfloat16):
+                    self._made[o.untyped_storage().data_ptr()] = (func, fargs, o.shape)
+                    while len(self._made) > 16:
+                        self._made.popitem(last=False)
+        if len(self.trace.events) > n and n == 0 and self.trace.probe is None:
+            self._probe_underflow(self.trace.events[0], fargs, kwargs)
         new = self.trace.events[n:] + ([self.trace.entered] if self.trace.entered is not had else [])
         for e in new:
             if e.phase is Phase.BACKWARD and e.source is None:
@@ -52,6 +67,25 @@ class _LiveTracker(OriginTracker):
                     e.source, e.code = _anomaly_source(node)
             if e.phase is Phase.FORWARD and e.module == LOSS_FN and self.outside:
                 e.module = f"{OUTSIDE[:-1]}: {self.outside[0]})"
+
+    def _probe_underflow(self, e: Any, args: tuple, kwargs: dict) -> None:
+        """The origin's inputs with those made by an op that can underflow recomputed in float32: the probe
+        ``classify`` compares zero counts with (0 in fp16, non-zero in fp32: underflow)."""
+        was, self.active = self.active, False
+        try:
+            stats, probed = [], False
+            with torch.no_grad():
+                for t in (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                          and a.is_floating_point()):
+                    made = self._made.get(t.untyped_storage().data_ptr())
+                    ref = _in_float32(made[0], made[1]) if made is not None and made[2] == t.shape else None
+                    probed = probed or ref is not None
+                    stats.append(_tensor_stats(ref if ref is not None else t))
+            if probed:
+                self.trace.probe = Probe(phase=e.phase, module=e.module, op=e.op, occurrence=0, node=e.node,
+                                         inputs=stats, found=True)
+        finally:
+            self.active = was
 
     def outside_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self.phase is Phase.FORWARD and id(module) not in self.names:
@@ -62,13 +96,33 @@ class _LiveTracker(OriginTracker):
             self.outside.pop()
 
 
+_aten = torch.ops.aten
+_UNDERFLOWS = frozenset({_aten._softmax.default, _aten.softmax.int, _aten.exp.default, _aten.sigmoid.default,
+                         _aten._to_copy.default})
+
+
+def _in_float32(func: Any, args: tuple) -> torch.Tensor | None:
+    """What ``func`` made, recomputed in float32 from its inputs (a cast: its input)."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() else None
+    if x is None:
+        return None
+    if func is _aten._to_copy.default:
+        return x.float()
+    if func in (_aten._softmax.default, _aten.softmax.int):
+        return torch.softmax(x.float(), args[1])
+    return torch.exp(x.float()) if func is _aten.exp.default else torch.sigmoid(x.float())
+
+
 class StepHooks(ScriptHooks):
     """Counts the guarded optimizer's steps as ``watch`` does; instruments step ``at`` only."""
 
-    def __init__(self, at: int, skipped: Sequence[int] = ()):
+    def __init__(self, at: int, skipped: Sequence[int] = (), functional: bool = False):
         super().__init__()
         self.at = at
         self.skipped = set(skipped)
+        # the watched run called no module holding the optimizer's parameters (a functional model): step N is
+        # armed when step N-1's update ends, over a module holding those parameters
+        self.functional = functional
         self.steps = 0
         self.root: torch.nn.Module | None = None
         self.tracker: _LiveTracker | None = None
@@ -243,7 +297,22 @@ class StepHooks(ScriptHooks):
             self._disarm()
             raise Done()
         if self.steps == self.at and self.tracker is None:
-            self._wait()   # step N-1's update is over: arm at step N's first forward
+            if self.functional and self.optimizer is not None:   # no forward to arm at: arm now
+                try:
+                    self._arm(params_module(self.optimizer), ())
+                except Exception as exc:   # nanprobe's own failure: never blamed on the script
+                    self.arm_error = exc
+                    self.done = True
+                    self._disarm()
+                    raise Done() from exc
+            else:
+                self._wait()   # step N-1's update is over: arm at step N's first forward
+
+    def after_backward(self) -> None:
+        # a functional model's steps have no root forward to mark the next forward: once a backward returns, the
+        # ops that follow are forward ops (another loss, another model's) until the guarded update begins
+        if self.functional and self.armed and self.tracker.phase is Phase.BACKWARD:
+            self.tracker.set_phase(Phase.FORWARD)
 
     def _measure(self, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         """The step's loss and gradient norm as watch's check reads them (float32 sum of the losses

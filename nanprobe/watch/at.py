@@ -126,7 +126,8 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
             expected = entry_.get("record")
             first = entry_
             notes.append(f"compared with the watched run's record {run_path}")
-    hooks = StepHooks(at, skipped)
+    # a functional model (the watched run called no module holding the optimizer's parameters)
+    hooks = StepHooks(at, skipped, functional=bool(first) and "root" in first and first["root"] is None)
     script_error = None
     with _script_environment(kind, target, args):
         with hooks:
@@ -221,7 +222,8 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     if hooks.tracker is None:   # a functional model (parameters used without a module call)
         row = (f"not instrumented: no module holding the optimizer's parameters was called with gradients enabled "
                f"in step {at} (a functional model, or parameters used outside modules): --at arms at the model's "
-               "first forward; write an ENTRY with your loss_fn and run nanprobe run ENTRY --at " f"{at}")
+               "first forward, or for a functional model at the end of the step before, which step 0 has not; "
+               f"write an ENTRY with your loss_fn and run nanprobe run ENTRY --at {at}")
         status = first_status if first_status is not None else Status.FINITE
         return Report(command="watch", entry=entry, step=at, status=status, device="cpu", precision="fp32",
                       notes=(row, *notes), reached_by=reached_by), None
@@ -280,7 +282,7 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                       record=rec, history=history, reached_by=reached_by, **scheduler_info(hooks.loop.target))
     data = check_data(reached, hooks.loop.target, prec, cfg)
     mark_masked(main)
-    ev = Evidence(reached=reached, main=main, reference=None, probe=None, others={}, data=data, cfg=cfg.run,
+    ev = Evidence(reached=reached, main=main, reference=None, probe=trace.probe, others={}, data=data, cfg=cfg.run,
                   entry=entry)
     findings, _ = mechanism_findings(classify(ev), trend=None, status=status, step=at, breakaway=None,
                                      ranges=trace.ranges, prec=prec,
@@ -346,7 +348,8 @@ def _not_reproduced(at: int, entry: str, first_status: Status | None, rows: list
 
 def unlocated_step(events: Sequence[Any]) -> int | None:
     """The first bad step of a watched run whose report locates no origin (born in backward or update), or
-    names no single op for it (a loss outside the model with several ops that could have made the value)."""
+    names no single op for it (a loss outside the model with several ops that could have made the value).
+    A finite loss spike whose in-process report names a cause is not one: it has no origin to locate."""
     for e in events:
         if not e.report:
             continue
@@ -357,11 +360,15 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
         top = (data.get("findings") or [{}])[0]
         origin = data.get("origin")
         vague = origin is None or (origin.get("op") is None and top.get("cause") == Cause.UNKNOWN.value)
-        # a data finding says where the value came from; --at arms at the root module's forward (a functional
-        # model has none) and counts optimizer steps (a hand-written update has none)
+        if data.get("status") == Status.SPIKE.value and top.get("cause") not in (None, Cause.UNKNOWN.value):
+            vague = False   # a finite spike has no origin to locate: its in-process cause is the answer
+        # a data finding says where the value came from; --at arms at the root module's forward, or for a
+        # functional model (none) at the end of the step before (step 0 has none), and counts optimizer steps
+        # (a hand-written update has none)
+        w = data.get("watch") or {}
         if vague and data.get("status") not in (Status.FINITE.value, Status.DIVERGING.value) \
-                and top.get("cause") != Cause.DATA.value and (data.get("watch") or {}).get("root") \
-                and not (data.get("watch") or {}).get("handwritten"):
+                and top.get("cause") != Cause.DATA.value and (w.get("root") or e.step > 0) \
+                and not w.get("handwritten"):
             return e.step
     return None
 

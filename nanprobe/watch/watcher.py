@@ -200,13 +200,15 @@ class Watcher(ScriptHooks):
                                  config=self.cfg, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
                                  allowed=POLICIES, on_bad=self._on_bad, adjust=self._adjust,
                                  max_reports=self.max_reports, events=self.events)
-        if self.root is not None:   # --at arms at the root module's forward (none: a functional model)
-            self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it"
-            # re-executing the script replays the step without an entrypoint (`nanprobe run ENTRY --capsule` needs
-            # one), and also where the loss is computed outside the root module, which its capsule (the root's
-            # inputs) cannot compute (one process: --at does not re-execute a distributed job's ranks)
-            self.guard.replay = lambda step: self.at_command(step) if (self._loss_missing or self.entry is None) \
-                and not _multi_rank() else None
+        # --at arms at the root module's forward; a functional model (no root) at the end of the step before,
+        # which step 0 has not
+        self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it" \
+            if self.root is not None or step > 0 else None
+        # re-executing the script replays the step without an entrypoint (`nanprobe run ENTRY --capsule` needs
+        # one), and also where the loss is computed outside the root module, which its capsule (the root's
+        # inputs) cannot compute (one process: --at does not re-execute a distributed job's ranks)
+        self.guard.replay = lambda step: self.at_command(step) if (self._loss_missing or self.entry is None) \
+            and not _multi_rank() and (self.root is not None or step > 0) else None
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
@@ -453,8 +455,9 @@ class Watcher(ScriptHooks):
         path = write_run_record(self.dirpath, self._run_path, {
             "argv": list(sys.argv), "command": self.argv, "start_state": self.start}, {
             "step": p.step, "status": p.status.value, "reason": p.reason, "skipped": skipped,
+            "root": type(self.root).__name__ if self.root is not None else None,
             "record": record_json(record, weights_nonfinite=p.report is not None or p.corrupt),
-            "history": [h.to_json() for h in p.history[-8:] if h.step < p.step]})
+            "history": [h.to_json() for h in p.history if h.step < p.step]})
         self._run_path = path or self._run_path
         return {"command": self.at_command(p.step), "run_record": str(path) if path is not None else None}
 
