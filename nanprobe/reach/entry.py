@@ -42,10 +42,6 @@ def split_entry(entry: str) -> tuple[str, str]:
     return ref, func
 
 
-def _is_path(ref: str) -> bool:
-    return ref.endswith(".py") or os.sep in ref or "/" in ref
-
-
 def _import_file(ref: str, entry: str) -> ModuleType:
     path = Path(ref)
     if not path.is_file():
@@ -93,18 +89,14 @@ def _import_module(ref: str, entry: str) -> ModuleType:
         raise UserCodeError(f"importing {ref}", exc) from exc
 
 
-def load_module(entry: str) -> tuple[ModuleType, str]:
-    ref, func = split_entry(entry)
-    module = _import_file(ref, entry) if _is_path(ref) else _import_module(ref, entry)
-    return module, func
-
-
 def load_target(entry: str, config: dict | None = None, device: str | None = None) -> Loaded:
     """Import ENTRY, call its function (with ``config`` if it takes one) and validate the result.
 
     ``device`` moves the model, optimizer state and batches there (``--device cuda``).
     """
-    module, func_name = load_module(entry)
+    ref, func_name = split_entry(entry)
+    is_path = ref.endswith(".py") or os.sep in ref or "/" in ref
+    module = _import_file(ref, entry) if is_path else _import_module(ref, entry)
     fn = getattr(module, func_name, None)
     if fn is None:
         candidates = [n for n, v in vars(module).items()
@@ -117,8 +109,7 @@ def load_target(entry: str, config: dict | None = None, device: str | None = Non
                          "Point ENTRY at a function that returns a nanprobe.Target or a dict")
     path, lineno = _source(fn)
     where = f"{path}:{lineno}" if path else entry
-    args = _arguments(fn, config, entry, where)
-    result = call_user(f"{entry.rsplit(':', 1)[-1]}()", fn, *args)
+    result = call_user(f"{entry.rsplit(':', 1)[-1]}()", fn, *_arguments(fn, config, entry, path, lineno))
     target = validate(result, where)
     if device is not None:
         to_device(target, device)
@@ -126,23 +117,20 @@ def load_target(entry: str, config: dict | None = None, device: str | None = Non
                   path=path, lineno=lineno)
 
 
-def _arguments(fn: Any, config: dict | None, entry: str, where: str) -> tuple:
+def _arguments(fn: Any, config: dict | None, entry: str, path: str | None, lineno: int | None) -> tuple:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return ()
-    required = [p for p in sig.parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     positional = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
     if len(required) > 1:
         raise EntryError(f"{entry} takes {len(required)} required arguments", entry,
                          "The entry function takes no arguments, or one optional config dict",
-                         path=where.rsplit(":", 1)[0], lineno=int(where.rsplit(":", 1)[1]) if ":" in where else None)
+                         path=path or entry.rsplit(":", 1)[0], lineno=lineno)
     if config is not None and positional:
         return (config,)
-    if required:
-        return ({},)
-    return ()
+    return ({},) if required else ()
 
 
 def _source(fn: Any) -> tuple[str | None, int | None]:

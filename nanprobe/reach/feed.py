@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from ..base.batch import clone_batch
 from ..base.errors import DataLoadError, UserCodeError
 from .state import RngTracker, set_rng
@@ -60,17 +62,9 @@ def is_callable_batches(batches: Any) -> bool:
 def _epoch_hooks(batches: Any) -> list[Any]:
     """Objects whose ``set_epoch(epoch)`` the user's loop (or their framework) calls each epoch."""
     found: list[Any] = []
-    candidates = [batches, getattr(batches, "sampler", None), getattr(batches, "batch_sampler", None)]
-    bs = getattr(batches, "batch_sampler", None)
-    candidates.append(getattr(bs, "sampler", None))
-    dataset = getattr(batches, "dataset", None)
-    try:
-        from torch.utils.data import IterableDataset
-        if isinstance(dataset, IterableDataset):
-            candidates.append(dataset)
-    except ImportError:  # pragma: no cover
-        pass
-    for c in candidates:
+    bs, dataset = getattr(batches, "batch_sampler", None), getattr(batches, "dataset", None)
+    for c in (batches, getattr(batches, "sampler", None), bs, getattr(bs, "sampler", None),
+              dataset if isinstance(dataset, IterableDataset) else None):
         if c is not None and callable(getattr(c, "set_epoch", None)) and all(c is not f for f in found):
             found.append(c)
     return found
@@ -110,12 +104,9 @@ class Stream:
         if self.callable or self.epoch + 1 >= self.epochs:
             return False
         self.epoch += 1
-        for obj in _epoch_hooks(self.batches):
-            try:
-                call_user(f"{type(obj).__name__}.set_epoch({self.epoch})", obj.set_epoch, self.epoch)
-            except UserCodeError as exc:
-                raise DataLoadError(exc.during, exc.exc) from exc.exc
         try:
+            for obj in _epoch_hooks(self.batches):
+                call_user(f"{type(obj).__name__}.set_epoch({self.epoch})", obj.set_epoch, self.epoch)
             self._it = call_user("iter(batches)", iter, self.batches)
         except UserCodeError as exc:
             raise DataLoadError(exc.during, exc.exc) from exc.exc

@@ -64,7 +64,6 @@ class Reached:
     growth: dict[str, float] = field(default_factory=dict)
     before: list[Recorded] = field(default_factory=list)   # the recent steps' inputs, oldest first
     onset: int | None = None           # an earlier excursion that recovered (run without --at)
-    excursions: list[str] = field(default_factory=list)     # what each recovered excursion was
     compiled: bool = False             # the original step ran torch.compile'd code; the reruns are eager
     trend: Trend | None = None          # the precursor monitor's series up to `step`
     breakaway: dict[str, Any] | None = None   # the slow divergence the judge saw (divergence.breakaway's facts)
@@ -78,10 +77,6 @@ class Reached:
     @property
     def position(self) -> Position | None:
         return self.recorded.position
-
-    @property
-    def batches(self) -> list[Any]:
-        return self.recorded.items
 
     @property
     def batch(self) -> Any:
@@ -148,10 +143,8 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str,
     model = loop.target.model
     device = outcome.loss.device if outcome.loss is not None else device_of(model)
     nan = torch.full((1,), math.nan, device=device)
-    parts = [outcome.loss.float().reshape(1).to(device) if outcome.loss is not None else nan,
-             outcome.grad_norm.float().reshape(1).to(device) if outcome.grad_norm is not None else nan,
-             outcome.found_inf.float().reshape(1).to(device) if outcome.found_inf is not None else nan,
-             outcome.scale.float().reshape(1).to(device) if outcome.scale is not None else nan]
+    parts = [v.float().reshape(1).to(device) if v is not None else nan
+             for v in (outcome.loss, outcome.grad_norm, outcome.found_inf, outcome.scale)]
     named, params = loop.named_params, loop.params
     n = len(params)
     keyed = [(k, v) for k, v in outcome.losses.items() if isinstance(v, torch.Tensor)]
@@ -555,34 +548,22 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         out.growth, out.before = w.growth, w.before
         return out
 
-    def end(exc: NoBadStep) -> NoBadStep | Reached:
-        if first is None:
-            return exc
-        ran = "the data ran out" if exc.data_ended else f"the --max-steps limit {limit}"
-        return at_watch(first, [f"nothing failed after it in the {k - first.step - 1} steps to {ran}: "
-                                f"diagnosing the excursion at step {first.step}"])
-
     def finish(out: Reached) -> Reached:
         if first is not None:
             out.onset = first.step
         return out
 
     while True:
-        if k - start >= limit:
-            done = end(NoBadStep(k - start, list(history), limit, last=last(),
-                                 trend=r.monitor.trend if r.monitor is not None else None, notes=r.judge.notes))
-            if isinstance(done, Reached):
-                return done
-            raise done
-        feed = _open(r, k)
-        if feed is None:
-            done = end(NoBadStep(k - start, list(history), limit, data_ended=True,
-                                 trend=r.monitor.trend if r.monitor is not None else None,
-                                 epochs=None if r.stream.callable else r.stream.epoch + 1, last=last(),
-                                 notes=r.judge.notes))
-            if isinstance(done, Reached):
-                return done
-            raise done
+        feed = _open(r, k) if k - start < limit else None
+        if feed is None:   # the data ran out, or the --max-steps limit
+            ended = k - start < limit
+            if first is None:
+                raise NoBadStep(k - start, list(history), limit, data_ended=ended, last=last(),
+                                epochs=r.stream.epoch + 1 if ended and not r.stream.callable else None,
+                                trend=r.monitor.trend if r.monitor is not None else None, notes=r.judge.notes)
+            ran = "the data ran out" if ended else f"the --max-steps limit {limit}"
+            return at_watch(first, [f"nothing failed after it in the {k - first.step - 1} steps to {ran}: "
+                                    f"diagnosing the excursion at step {first.step}"])
         if watch is None and (rolling is None or len(log) >= every):
             # the state at step k's start; its first micro-batch is already fetched, and replaying the
             # log puts the RNG where that fetch left it, so the snapshot may be taken after it (the

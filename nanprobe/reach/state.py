@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
+from ..base.precision import device_of
 from .store import Slot, TensorStore, choose_mode
 
 # -- RNG streams --------------------------------------------------------------------------------------
@@ -120,30 +121,19 @@ def _value(v: Any, depth: int = 0) -> Any:
     if v is None or isinstance(v, (bool, int, float, str, complex)):
         return v
     if isinstance(v, torch.Tensor):
-        return _TensorRef(v)
-    if depth < 2 and isinstance(v, (tuple, list)):
-        items = [_value(x, depth + 1) for x in v]
-        if any(x is _NOT_STATE for x in items):
-            return _NOT_STATE
-        return _Container(type(v), items)
-    if depth < 2 and type(v) is dict:
-        items = {k: _value(x, depth + 1) for k, x in v.items()}
+        return _TensorRef(v, v._version)
+    if depth < 2 and (isinstance(v, (tuple, list)) or type(v) is dict):
+        items = {k: _value(x, depth + 1) for k, x in (v.items() if type(v) is dict else enumerate(v))}
         if any(x is _NOT_STATE for x in items.values()):
             return _NOT_STATE
-        return _Container(dict, items)
+        return _Container(type(v), items)
     return _NOT_STATE
 
 
 @dataclass(slots=True)
 class _TensorRef:
     tensor: torch.Tensor
-    version: int = -1
-
-    def __post_init__(self):
-        self.version = self.tensor._version
-
-    def get(self) -> Any:
-        return self.tensor
+    version: int
 
     @property
     def changed_in_place(self) -> bool:
@@ -152,32 +142,27 @@ class _TensorRef:
 
 @dataclass(slots=True)
 class _Container:
-    kind: type
-    items: Any
-
-    def get(self) -> Any:
-        if self.kind is dict:
-            return {k: _get(v) for k, v in self.items.items()}
-        values = [_get(v) for v in self.items]
-        return values if self.kind is list else (self.kind(values) if self.kind is tuple else self.kind(*values))
-
-    def refs(self) -> Iterable[_TensorRef]:
-        for v in (self.items.values() if self.kind is dict else self.items):
-            if isinstance(v, _TensorRef):
-                yield v
-            elif isinstance(v, _Container):
-                yield from v.refs()
+    kind: type        # dict, list, tuple or a namedtuple class
+    items: dict       # by key (a sequence's: by position)
 
 
 def _get(v: Any) -> Any:
-    return v.get() if isinstance(v, (_TensorRef, _Container)) else v
+    if isinstance(v, _TensorRef):
+        return v.tensor
+    if not isinstance(v, _Container):
+        return v
+    if v.kind is dict:
+        return {k: _get(x) for k, x in v.items.items()}
+    values = [_get(x) for x in v.items.values()]
+    return values if v.kind is list else (v.kind(values) if v.kind is tuple else v.kind(*values))
 
 
 def _refs(v: Any) -> Iterable[_TensorRef]:
     if isinstance(v, _TensorRef):
         yield v
     elif isinstance(v, _Container):
-        yield from v.refs()
+        for x in v.items.values():
+            yield from _refs(x)
 
 
 def module_tensor_attrs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
@@ -230,19 +215,19 @@ def _callable_holders(fn: Any) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _put(kind: str, holder: Any, key: str, value: Any) -> None:
+    if kind == "cell":
+        holder.cell_contents = value
+    else:
+        setattr(holder, key, value)
+
+
 @dataclass(slots=True)
 class _Held:
     kind: str
     holder: Any
     key: str
     value: Any      # _value(...) result
-
-    def restore(self) -> None:
-        v = _get(self.value)
-        if self.kind == "cell":
-            self.holder.cell_contents = v
-        else:
-            setattr(self.holder, self.key, v)
 
 
 def capture_user_state(fns: Iterable[Any], owned: Iterable[torch.Tensor] = ()) -> list[_Held]:
@@ -257,20 +242,13 @@ def capture_user_state(fns: Iterable[Any], owned: Iterable[torch.Tensor] = ()) -
                 raw = holder.cell_contents if kind == "cell" else getattr(holder, key)
             except (ValueError, AttributeError):
                 continue
-            if mine and _only_owned(raw, mine):
+            many = raw if isinstance(raw, (list, tuple)) and raw else [raw]
+            if mine and all(isinstance(t, torch.Tensor) and id(t) in mine for t in many):
                 continue
             v = _value(raw)
             if v is not _NOT_STATE:
                 held.append(_Held(kind, holder, key, v))
     return held
-
-
-def _only_owned(value: Any, owned: set[int]) -> bool:
-    if isinstance(value, torch.Tensor):
-        return id(value) in owned
-    if isinstance(value, (list, tuple)) and value:
-        return all(isinstance(v, torch.Tensor) and id(v) in owned for v in value)
-    return False
 
 
 # -- the snapshot --------------------------------------------------------------------------------------
@@ -289,31 +267,29 @@ class StoragePolicy:
         return TensorStore(choose_mode(self.mode, device_type, nbytes, self.memory_mb), self.directory)
 
 
-def _state_tensors(opt: torch.optim.Optimizer) -> list[tuple[int, Any, torch.Tensor]]:
-    """``(param index, key, tensor)`` for every tensor of the optimizer's per-parameter state."""
+def _indexed_state(opt: torch.optim.Optimizer) -> dict[int, dict[Any, Any]]:
+    """The optimizer's per-parameter state by the parameter's index in its param groups."""
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    out = []
-    for p, st in opt.state.items():
-        i = index.get(id(p))
-        if i is None:
-            continue
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out.append((i, k, v))
-    return out
+    return {index[id(p)]: st for p, st in opt.state.items() if id(p) in index}
 
 
 def _optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's per-parameter state and groups, with every tensor left out (stored apart)."""
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    state = {}
-    for p, st in opt.state.items():
-        i = index.get(id(p))
-        if i is not None:
-            state[i] = {k: (None if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
+    state = {i: {k: (None if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
+             for i, st in _indexed_state(opt).items()}
     groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"state": state, "groups": groups}
+
+
+def _into(cur: Any, saved: Any) -> Any:
+    """``saved`` written into the tensor ``cur`` where their layouts match (the object stays), else a copy."""
+    if isinstance(saved, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == saved.shape \
+            and cur.device == saved.device:
+        with torch.no_grad():
+            cur.copy_(saved)
+        return cur
+    return saved.clone() if isinstance(saved, torch.Tensor) else copy.deepcopy(saved)
 
 
 def _want_dtype(p: torch.Tensor, key: Any, slot: Slot) -> torch.dtype:
@@ -328,48 +304,29 @@ def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
                        slots: dict[tuple[int, Any], Slot], *, tensors: bool = True) -> None:
     """``tensors`` False: the state tensors still hold their saved values (no version counter moved since
     the last full restore), so they are not copied again; everything else is put back."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for i, p in enumerate(params):
-        want = layout["state"].get(i)
-        have = opt.state.get(p)
+    for i, p in enumerate([q for g in opt.param_groups for q in g["params"]]):
+        want, have = layout["state"].get(i), opt.state.get(p)
         if want is None:
             if have:
                 opt.state.pop(p, None)
             continue
-        fits = have is not None and have.keys() == want.keys()
-        if fits:
-            for k in want:
-                slot = slots.get((i, k))
-                cur = have[k]
-                if slot is not None:
-                    if not (isinstance(cur, torch.Tensor) and cur.shape == slot.shape and cur.device == slot.device
-                            and cur.dtype == _want_dtype(p, k, slot)):
-                        fits = False
-                        break
-        if fits:
-            for k, v in want.items():
-                slot = slots.get((i, k))
-                if slot is None:
-                    have[k] = copy.deepcopy(v)
-                elif tensors:
-                    slot.copy_into(have[k])
-        else:
-            new = {}
-            for k, v in want.items():
-                slot = slots.get((i, k))
-                if slot is None:
-                    new[k] = copy.deepcopy(v)
-                    continue
-                new[k] = slot.load().to(dtype=_want_dtype(p, k, slot))
-            opt.state[p] = new
+        # the live state tensors are written in place where their layout still fits, else replaced
+        fits = have is not None and have.keys() == want.keys() and all(
+            isinstance(have[k], torch.Tensor) and have[k].shape == slot.shape and have[k].device == slot.device
+            and have[k].dtype == _want_dtype(p, k, slot) for k in want if (slot := slots.get((i, k))) is not None)
+        if not fits:
+            have = opt.state[p] = {}
+        for k, v in want.items():
+            slot = slots.get((i, k))
+            if slot is None:
+                have[k] = copy.deepcopy(v)
+            elif not fits:
+                have[k] = slot.load().to(dtype=_want_dtype(p, k, slot))
+            elif tensors:
+                slot.copy_into(have[k])
     for group, want in zip(opt.param_groups, layout["groups"]):
         for k, v in want.items():
-            cur = group.get(k)
-            if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
-                with torch.no_grad():
-                    cur.copy_(v)
-            else:
-                group[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            group[k] = _into(group.get(k), v)
         for k in [k for k in group if k != "params" and k not in want]:
             del group[k]
 
@@ -404,15 +361,10 @@ def _restore_groups_only(opt: torch.optim.Optimizer, layout: dict[str, Any]) -> 
 def _versions(objects: Objects) -> list[tuple[torch.Tensor, int, int, torch.dtype]]:
     """Parameters and optimizer state tensors with their version counter, data pointer and dtype:
     equal lists mean nothing wrote to them (an in-place write bumps the version)."""
-    out = []
-    for p in [*objects.model.parameters(), *(m for _, m in objects.masters)]:
-        out.append((p, p._version, p.data_ptr(), p.dtype))
-    for _, opt in objects.optimizers:
-        for st in opt.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    out.append((v, v._version, v.data_ptr(), v.dtype))
-    return out
+    tensors = [*objects.model.parameters(), *(m for _, m in objects.masters)]
+    tensors += [v for _, opt in objects.optimizers for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor)]
+    return [(t, t._version, t.data_ptr(), t.dtype) for t in tensors]
 
 
 class SavedModel(Mapping):
@@ -466,14 +418,8 @@ class Snapshot:
 
     def changed_in_place(self) -> list[str]:
         """Names of carried tensors (closure variables, module attributes) the step changed in place."""
-        out = []
-        for h in self.user:
-            if any(r.changed_in_place for r in _refs(h.value)):
-                out.append(h.key)
-        for _, _, v, qual in self.attrs:
-            if any(r.changed_in_place for r in _refs(v)):
-                out.append(qual)
-        return out
+        held = [(h.key, h.value) for h in self.user] + [(qual, v) for _, _, v, qual in self.attrs]
+        return [name for name, v in held if any(r.changed_in_place for r in _refs(v))]
 
     def carried(self) -> dict[str, Any]:
         """The state the step keeps between calls, by name (for a capsule): module attributes by
@@ -529,7 +475,7 @@ class Snapshot:
         for m, name, v, _ in self.attrs:
             setattr(m, name, _get(v))
         for h in self.user:
-            h.restore()
+            _put(h.kind, h.holder, h.key, _get(h.value))
         torch.set_num_threads(self.threads)
         set_rng(self.rng)
         if full:
@@ -548,34 +494,25 @@ class Snapshot:
             self.store.close()
 
 
-def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+_SCALER_ATTRS = ("_init_scale", "_growth_factor", "_backoff_factor", "_growth_interval", "_init_growth_tracker",
+                 "_scale", "_growth_tracker")
+
+
+def _scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any] | None:
     """A GradScaler's state without a device sync (its scale stays a tensor). A disabled one (created
-    with enabled=False, as nanoGPT does on fp32/bf16) has no state."""
+    with enabled=False, as nanoGPT does on fp32/bf16) has no state: None."""
     if not scaler.is_enabled():
-        return {"enabled": False}
-    return {"enabled": scaler._enabled,
-            "scale": None if getattr(scaler, "_scale", None) is None else scaler._scale.detach().clone(),
-            "growth_tracker": None if getattr(scaler, "_growth_tracker", None) is None
-            else scaler._growth_tracker.detach().clone(),
-            "params": (scaler._init_scale, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
-                       scaler._init_growth_tracker)}
+        return None
+    state = {a: getattr(scaler, a, None) for a in _SCALER_ATTRS}
+    return {a: v.detach().clone() if isinstance(v, torch.Tensor) else v for a, v in state.items()}
 
 
-def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:
-    if not saved["enabled"]:
+def _restore_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any] | None) -> None:
+    if saved is None:
         return
-    scaler._enabled = saved["enabled"]
-    (scaler._init_scale, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
-     scaler._init_growth_tracker) = saved["params"]
-    for attr, key in (("_scale", "scale"), ("_growth_tracker", "growth_tracker")):
-        value = saved[key]
-        cur = getattr(scaler, attr, None)
-        if value is None:
-            setattr(scaler, attr, None)
-        elif isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.device == value.device:
-            cur.copy_(value)
-        else:
-            setattr(scaler, attr, value.clone())
+    scaler._enabled = True
+    for a, value in saved.items():
+        setattr(scaler, a, _into(getattr(scaler, a, None), value))
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
@@ -596,15 +533,6 @@ class Objects:
     def scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
         return self.own_scalers + self.user_scalers
 
-    def refresh_attrs(self) -> None:
-        self.attrs = module_tensor_attrs(self.model)
-
-    def _tensors(self) -> tuple[list[tuple[str, torch.Tensor]], list[list[tuple[int, Any, torch.Tensor]]]]:
-        named = [(n, p) for n, p in self.model.named_parameters()]
-        named += [(n, b) for n, b in self.model.named_buffers()]
-        named += self.masters   # float32 master copies of the weights: saved and restored like them
-        return named, [_state_tensors(o) for _, o in self.optimizers]
-
     def take(self, rng: dict[str, Any] | None = None, reuse: Snapshot | None = None) -> Snapshot:
         """Copy the state now (``rng``: the RNG states to store instead of the current ones).
 
@@ -612,37 +540,26 @@ class Objects:
         overwritten when the layout is unchanged, so a rolling snapshot allocates nothing new.
         """
         if self.attrs is None:
-            self.refresh_attrs()
-        named, opt_tensors = self._tensors()
+            self.attrs = module_tensor_attrs(self.model)
+        # float32 master copies of the weights are saved and restored like them
+        named = [*self.model.named_parameters(), *self.model.named_buffers(), *self.masters]
+        opt_tensors = [[(i, k, v) for i, st in _indexed_state(o).items() for k, v in st.items()
+                        if isinstance(v, torch.Tensor)] for _, o in self.optimizers]
         flat = [t for _, t in named] + [t for ts in opt_tensors for _, _, t in ts]
-        device_type = _device_type(self.model)
+        device_type = device_of(self.model).type
         if reuse is not None and reuse.store is not None:
             store = reuse.store
             old = [s for _, _, s in reuse.tensors] + [s for slots in reuse.opt_slots for s in slots.values()]
         else:
-            nbytes = sum(t.numel() * t.element_size() for t in flat)
-            p = self.storage
-            store = p.new_store(device_type, nbytes)
+            store = self.storage.new_store(device_type, sum(t.numel() * t.element_size() for t in flat))
             old = None
-        slots = store.put_all(flat, reuse=old)
-        n = len(named)
-        tensors = [(name, live, slot) for (name, live), slot in zip(named, slots[:n])]
-        opt_slots = []
-        i = n
-        for (_, opt), ts in zip(self.optimizers, opt_tensors):
-            d = {}
-            for (pi, k, _), slot in zip(ts, slots[i:i + len(ts)]):
-                d[(pi, k)] = slot
-            i += len(ts)
-            opt_slots.append(d)
-        scheds = []
-        for _, s in self.schedulers:
-            scheds.append(copy.deepcopy(s.state_dict()) if callable(getattr(s, "state_dict", None)) else None)
+        slots = iter(store.put_all(flat, reuse=old))
         return Snapshot(
-            tensors=tensors,
+            tensors=[(name, live, next(slots)) for name, live in named],
             optimizers=[_optimizer_layout(o) for _, o in self.optimizers],
-            opt_slots=opt_slots,
-            schedulers=scheds,
+            opt_slots=[{(pi, k): next(slots) for pi, k, _ in ts} for ts in opt_tensors],
+            schedulers=[copy.deepcopy(s.state_dict()) if callable(getattr(s, "state_dict", None)) else None
+                        for _, s in self.schedulers],
             scalers=[_scaler_state(s) for _, s in self.scalers()],
             rng=rng if rng is not None else capture_rng(device_type),
             threads=torch.get_num_threads(),
@@ -653,14 +570,6 @@ class Objects:
             groups=[[list(g["params"]) for g in o.param_groups] for _, o in self.optimizers],
             trainable=[(p, p.requires_grad) for p in self.model.parameters()],
         )
-
-
-def _device_type(model: torch.nn.Module) -> str:
-    for t in model.parameters():
-        return t.device.type
-    for t in model.buffers():
-        return t.device.type
-    return "cpu"
 
 
 def objects_of(target: Any, own_scalers: list[tuple[str, torch.amp.GradScaler]] | None = None) -> Objects:
@@ -689,11 +598,7 @@ def apply_carried(carried: dict[str, Any], objects: Objects, notes: list[str]) -
             if match is None:
                 notes.append(f"the capsule carries the step's {name!r}, which this entrypoint's step does not keep")
                 continue
-            _, holder, key = match
-            if kind == "cell":
-                holder.cell_contents = value
-            else:
-                setattr(holder, key, value)
+            _put(*match, value)
 
 
 __all__ = ["Snapshot", "Objects", "objects_of", "RngTracker", "capture_rng", "set_rng", "module_tensor_attrs",

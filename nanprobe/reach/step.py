@@ -17,7 +17,6 @@ Neither form calls ``model.train()``: every module keeps the train/eval flag the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -72,8 +71,6 @@ class StepOutcome:
     lr: float | None = None                    # the learning rate the step used (first optimizer)
     found_inf: torch.Tensor | None = None      # >0: a GradScaler found inf/NaN gradients and skipped
     scale: torch.Tensor | None = None          # the loss scale the step used
-    micro: int = 1                             # micro-batches the step consumed
-    stepped: tuple[str, ...] = ()              # optimizers whose step() ran (step_fn)
     autocast: tuple[str, ...] = ()             # autocast dtypes the step entered (step_fn)
     precision_applied: bool = True             # False: a rerun precision could not be applied (step_fn)
 
@@ -102,11 +99,10 @@ class Loop:
         self.precision = precision or target.precision
         self.policy = policy
         self.device_type = device_of(target.model).type
-        self.scaler = make_scaler(target, self.precision, self.device_type) \
-            if target.loss_fn is not None and target.grad_scaler is True else None
-        if self.scaler is None and target.loss_fn is not None and target.user_scalers:
-            self.scaler = target.user_scalers[0][1]   # the user's own GradScaler object, for the canonical loop
-        own = [("GradScaler", self.scaler)] if self.scaler is not None and not target.user_scalers else []
+        users = target.user_scalers   # the user's own GradScaler object, if any, drives the canonical loop
+        self.scaler = None if target.loss_fn is None else (
+            users[0][1] if users else make_scaler(target, self.precision, self.device_type))
+        own = [("GradScaler", self.scaler)] if self.scaler is not None and not users else []
         self.objects: Objects = objects_of(target, own_scalers=own)
         self.updates_in_step = 0
         # the parameter lists, walked once (a module tree walk costs ~1 ms on a 60-module model)
@@ -159,123 +155,85 @@ def _restore_groups(saved: list[tuple[dict, dict]]) -> None:
                 g[k] = v
 
 
-@contextlib.contextmanager
-def _update_overrides(optimizers: list[tuple[str, torch.optim.Optimizer]], lr_scale: float | None,
-                      param_overrides: Mapping[str, Any] | None):
-    saved: list[tuple[dict, dict]] = []
-    try:
-        for _, opt in optimizers:
-            saved += _override_groups(opt, lr_scale, param_overrides)
-        yield
-    finally:
-        _restore_groups(saved)
-
-
 # -- the canonical loss_fn loop ---------------------------------------------------------------------
-
-def _found_inf(scaler: torch.amp.GradScaler, optimizers) -> torch.Tensor | None:
-    found = None
-    for _, opt in optimizers:
-        per_device = scaler._found_inf_per_device(opt)
-        for v in per_device.values():
-            found = v.float() if found is None else found + v.float().to(found.device)
-    return found
-
 
 def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
     t = loop.target
-    model, opts = t.model, t.optimizers
-    device_type = loop.device_type
+    opts = t.optimizers
     scaler = loop.scaler if o.scaler is _KEEP else o.scaler
     if scaler is not None and not scaler.is_enabled():
         scaler = None
     phase = o.on_phase or (lambda p: None)
     clip = o.max_grad_norm if o.max_grad_norm is not None else t.max_grad_norm
-    if opts:
-        for _, opt in opts:
-            opt.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
-    total: torch.Tensor | None = None
+    for holder in [opt for _, opt in opts] or [t.model]:
+        holder.zero_grad(set_to_none=True)
     micro: list[torch.Tensor] = []
-    j = 0
-    while True:
-        batch = feed.get(j)
-        if batch is None:
-            break
+    while (batch := feed.get(len(micro))) is not None:
         phase(Phase.FORWARD)
         # a pure low-precision run enters no autocast: its precision is its weights' dtype (a rerun in
         # another precision casts the weights, see rerun._cast_weights)
-        with numeric_mode(o.precision, device_type), policy_context(o.policy, o.precision, device_type), \
-                autocast_context(o.precision, device_type, enabled=not t.pure):
-            loss = call_user("loss_fn(model, batch)", t.loss_fn, model, batch)
+        with numeric_mode(o.precision, loop.device_type), policy_context(o.policy, o.precision, loop.device_type), \
+                autocast_context(o.precision, loop.device_type, enabled=not t.pure):
+            loss = call_user("loss_fn(model, batch)", t.loss_fn, t.model, batch)
         loss = check_loss(loss, loop.where)
         phase(Phase.BACKWARD)
         call_user("loss.backward()", (scaler.scale(loss) if scaler is not None else loss).backward)
-        d = loss.detach()
-        micro.append(d)
-        total = d if total is None else total + d
-        j += 1
+        micro.append(loss.detach())
     phase(Phase.UPDATE)
     found = scale = None
     if scaler is not None and opts:
         scale = scaler._scale.detach().clone() if scaler._scale is not None else None
         for _, opt in opts:
             call_user("scaler.unscale_(optimizer)", scaler.unscale_, opt)
-        found = _found_inf(scaler, opts)
+            for v in scaler._found_inf_per_device(opt).values():
+                found = v.float() if found is None else found + v.float().to(found.device)
     with_grad = [p for p in loop.params if p.grad is not None]
-    grads = [p.grad for p in with_grad]
-    if clip and grads:
-        grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, clip)
-    elif grads:
-        grad_norm = torch.nn.utils.get_total_norm(grads)
-    else:
-        grad_norm = None
-    lr = current_lr(opts[0][1]) if opts else None
+    grad_norm = None
+    if with_grad:
+        grad_norm = (torch.nn.utils.clip_grad_norm_(with_grad, clip) if clip
+                     else torch.nn.utils.get_total_norm([p.grad for p in with_grad])).detach()
+    out = StepOutcome(loss=sum(micro[1:], micro[0]) if micro else None,
+                      losses={f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1 else {},
+                      grad_norm=grad_norm, lr=current_lr(opts[0][1]) if opts else None, found_inf=found,
+                      scale=scale)
     if o.stop_before_update:
-        return StepOutcome(loss=total, losses={f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1
-                           else {}, grad_norm=None if grad_norm is None else grad_norm.detach(), lr=lr,
-                           found_inf=found, scale=scale, micro=j, stepped=())
+        return out
     if opts:
-        with _update_overrides(opts, o.lr_scale, o.param_overrides):
+        saved = [s for _, opt in opts for s in _override_groups(opt, o.lr_scale, o.param_overrides)]
+        try:
             for _, opt in opts:
                 loop.updates_in_step += 1
                 if scaler is not None:
                     call_user("scaler.step(optimizer)", scaler.step, opt)
                 else:
                     call_user("optimizer.step()", opt.step)
+        finally:
+            _restore_groups(saved)
         if scaler is not None:
             call_user("scaler.update()", scaler.update)
-    if t.schedulers:
-        skipped = False
-        if found is not None and not t.scheduler_on_skip:
-            skipped = bool(found.item() > 0)   # the loop branches on it, as the user's does
-        if not skipped:
-            for name, sched in t.schedulers:
-                call_user(f"{name}.step()", sched.step)
-    losses = {f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1 else {}
-    return StepOutcome(loss=total, losses=losses, grad_norm=None if grad_norm is None else grad_norm.detach(),
-                       lr=lr, found_inf=found, scale=scale, micro=j,
-                       stepped=tuple(name for name, _ in opts))
+    # a GradScaler skip steps no scheduler unless scheduler_on_skip (the loop branches on it, as the user's does)
+    if t.schedulers and (found is None or t.scheduler_on_skip or not found.item() > 0):
+        for name, sched in t.schedulers:
+            call_user(f"{name}.step()", sched.step)
+    return out
 
 
 # -- the user's own step ----------------------------------------------------------------------------
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool)
+
 
 def _as_losses(result: Any) -> dict[str, torch.Tensor | float] | None:
     """step_fn's return value -> named losses; None when it returned nothing."""
     if result is None:
         return None
-    if isinstance(result, (torch.Tensor, int, float)) and not isinstance(result, bool):
+    if _is_number(result):
         return {"loss": result}
     if isinstance(result, Mapping):
-        out = {}
-        for k, v in result.items():
-            if isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool):
-                out[str(k)] = v
-        return out
+        return {str(k): v for k, v in result.items() if _is_number(v)}
     if isinstance(result, (tuple, list)):
-        return {f"loss[{i}]": v for i, v in enumerate(result)
-                if isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool)}
+        return {f"loss[{i}]": v for i, v in enumerate(result) if _is_number(v)}
     return {}
 
 
@@ -307,12 +265,10 @@ class _StepWatch:
 
     def __init__(self, loop: Loop, o: RunOptions):
         self.loop, self.o = loop, o
-        self.phase = o.on_phase
         self.current: Phase | None = None
         self.norms: list[torch.Tensor] = []
         self.pending_clip: list[torch.Tensor] = []
         self.lr: float | None = None
-        self.stepped: list[str] = []
         self.backwarded: list[torch.Tensor] = []
         self.scaled: list[torch.Tensor] = []
         self.dtypes: list[str] = []
@@ -324,26 +280,25 @@ class _StepWatch:
         self._model_modules = {id(m) for m in loop.target.model.modules()} if o.on_phase else set()
 
     def set_phase(self, p: Phase) -> None:
-        if self.phase is not None and p is not self.current:
+        if self.o.on_phase is not None and p is not self.current:
             self.current = p
-            self.phase(p)
+            self.o.on_phase(p)
 
     # -- context --
     def __enter__(self) -> _StepWatch:
-        for name, opt in self.loop.target.optimizers:
-            self._handles.append(opt.register_step_pre_hook(functools.partial(self._pre, name)))
-            self._handles.append(opt.register_step_post_hook(functools.partial(self._post, name)))
+        for _, opt in self.loop.target.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._pre))
+            self._handles.append(opt.register_step_post_hook(self._post))
         try:
             self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
             self._patches.append(Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)))
-            self._clip_original = torch.nn.utils.clip_grad_norm_
             clip = self._wrap_clip(self._clip_original)
             self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
             self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
             self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
             self._patches.append(Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)))
             self._patches.append(Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__)))
-            if self.phase is not None:
+            if self.o.on_phase is not None:
                 self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre))
         except BaseException:
             self.__exit__(None, None, None)
@@ -402,26 +357,23 @@ class _StepWatch:
         return clip_grad_norm_
 
     def _wrap_scale(self, original):
-        watch = self
-
         @functools.wraps(original)
         def scale(scaler, outputs):
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                watch.scaled.append(outputs.detach().reshape(()).float())
+                self.scaled.append(outputs.detach().reshape(()).float())
             return original(scaler, outputs)
         return scale
 
     def _wrap_enter(self, original):
-        watch = self
         want = self.o.precision
 
         @functools.wraps(original)
         def __enter__(ac):
-            if getattr(ac, "device", None) == watch.loop.device_type:
+            if getattr(ac, "device", None) == self.loop.device_type:
                 if ac._enabled:
-                    watch.dtypes.append(str(ac.fast_dtype).replace("torch.", ""))
-                watch.entered_autocast = True
-                if want is not None and want is not watch.loop.precision and ac._enabled:
+                    self.dtypes.append(str(ac.fast_dtype).replace("torch.", ""))
+                self.entered_autocast = True
+                if want is not None and want is not self.loop.precision and ac._enabled:
                     ac._nanprobe_saved = (ac._enabled, ac.fast_dtype)
                     if want.autocast:
                         ac.fast_dtype = want.dtype
@@ -442,34 +394,27 @@ class _StepWatch:
         return __exit__
 
     # -- the optimizer update --
-    def _pre(self, name: str, opt: torch.optim.Optimizer, args, kwargs) -> None:
+    def _pre(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
         self.set_phase(Phase.UPDATE)
         o = self.o
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if self.pending_clip:   # the step clipped: its clip_grad_norm_ returned the norm before clipping
             norm = self.pending_clip[0] if len(self.pending_clip) == 1 else \
                 torch.stack([n.float() for n in self.pending_clip]).norm()
             self.pending_clip.clear()
         else:
-            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
         if norm is not None:
             self.norms.append(norm.detach().float())
-        if o.max_grad_norm is not None:   # a clipping fix, on top of whatever the step does
-            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            if params:
-                self._clip_original(params, o.max_grad_norm)
-        saved = _override_groups(opt, o.lr_scale, o.param_overrides)
-        if saved:
-            self._saved_groups[id(opt)] = saved
+        if o.max_grad_norm is not None and params:   # a clipping fix, on top of whatever the step does
+            self._clip_original(params, o.max_grad_norm)
+        self._saved_groups[id(opt)] = _override_groups(opt, o.lr_scale, o.param_overrides)
         if self.lr is None:
             self.lr = current_lr(opt)
-        self.stepped.append(name)
         self.loop.updates_in_step += 1
 
-    def _post(self, name: str, opt: torch.optim.Optimizer, args, kwargs) -> None:
-        saved = self._saved_groups.pop(id(opt), None)
-        if saved is not None:
-            _restore_groups(saved)
+    def _post(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        _restore_groups(self._saved_groups.pop(id(opt), []))
 
 
 def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
@@ -484,23 +429,17 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
     losses = _as_losses(result)
     if losses is None:   # the step returned nothing: what it scaled, else what it backpropagated
         seen = watch.scaled or watch.backwarded
-        losses = {f"loss[{i}]": v for i, v in enumerate(seen)} if len(seen) > 1 else (
-            {"loss": seen[0]} if seen else {})
+        losses = {"loss": seen[0]} if len(seen) == 1 else {f"loss[{i}]": v for i, v in enumerate(seen)}
     losses = {k: _scalar(v, loop.where, k) for k, v in losses.items()}
-    device = device_of(t.model)
-    total = None
     # a dict with a "loss" key is Lightning's convention: that entry is the loss, the others are what the step
     # reports beside it (accuracy, returns, a counter); a dict without one is several losses (a GAN's), summed
-    for v in ([losses["loss"]] if "loss" in losses else losses.values()):
-        v = v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32)
-        v = v.to(device)
-        total = v if total is None else total + v
-    if not watch.norms and watch.pending_clip:   # clipped, then updated without an optimizer (hand-written SGD)
-        watch.norms = [n.float() for n in watch.pending_clip]
+    parts = [torch.as_tensor(v, dtype=torch.float32, device=device_of(t.model))
+             for v in ([losses["loss"]] if "loss" in losses else losses.values())]
+    # no optimizer step saw a norm: clipped, then updated without an optimizer (hand-written SGD)
+    norms = watch.norms or [n.float() for n in watch.pending_clip]
     grad_norm = None
-    if watch.norms:
-        grad_norm = watch.norms[0] if len(watch.norms) == 1 else torch.stack(
-            [n.to(watch.norms[0].device) for n in watch.norms]).norm()
+    if norms:
+        grad_norm = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).norm()
     found = scale = None
     for s, b in zip(scalers, before):
         if getattr(s, "_scale", None) is None:
@@ -511,8 +450,8 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         scale = start.reshape(()) if scale is None else scale
     lr = watch.lr if watch.lr is not None else (current_lr(t.optimizers[0][1]) if t.optimizers else None)
     applied = o.precision is loop.precision or watch.entered_autocast or not o.precision.autocast or t.pure
-    return StepOutcome(loss=total, losses=losses if len(losses) > 1 else {}, grad_norm=grad_norm, lr=lr,
-                       found_inf=found, scale=scale, micro=feed.count(), stepped=tuple(watch.stepped),
+    return StepOutcome(loss=sum(parts[1:], parts[0]) if parts else None, losses=losses if len(losses) > 1 else {}, grad_norm=grad_norm, lr=lr,
+                       found_inf=found, scale=scale,
                        autocast=tuple(dict.fromkeys(watch.dtypes)), precision_applied=applied)
 
 

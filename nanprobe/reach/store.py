@@ -21,12 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("auto", "device", "host", "disk")
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous CPU tensor's memory (no copy)."""
-    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
 
 
 @dataclass(slots=True)
@@ -74,15 +71,11 @@ class TensorStore:
             for s, t in zip(reuse, tensors):
                 self._overwrite(s, t)
             return reuse
-        self._reset()
-        return [self._put(t) for t in tensors]
-
-    def _reset(self) -> None:
-        self._tensors = []
-        self._size = 0
+        self._tensors, self._size = [], 0
         if self._file is not None:
             self._file.seek(0)
             self._file.truncate()
+        return [self._put(t) for t in tensors]
 
     def _put(self, t: torch.Tensor) -> Slot:
         t = t.detach()
@@ -93,9 +86,8 @@ class TensorStore:
         elif self.mode == "host":
             self._tensors.append(t.to("cpu", copy=True))
         else:
-            f = self._open()
             slot.offset = self._size
-            self._write(f, t, slot.offset)
+            self._write(self._open(), t, slot.offset)
             self._size += slot.nbytes
             self._tensors.append(None)
         return slot
@@ -117,16 +109,12 @@ class TensorStore:
 
     @staticmethod
     def _write(f, t: torch.Tensor, offset: int) -> None:
+        """In chunks through host memory, so no state-sized host buffer appears for a CUDA tensor."""
         f.seek(offset)
-        if t.device.type == "cpu":
-            src = t if t.is_contiguous() else t.contiguous()
-            f.write(memoryview(_as_bytes(src).numpy()))
-        else:   # through host memory in chunks, so no state-sized host buffer appears
-            flat = t.reshape(-1)
-            step = max(1, (64 << 20) // max(t.element_size(), 1))
-            for start in range(0, flat.numel(), step):
-                chunk = flat[start:start + step].to("cpu")
-                f.write(memoryview(_as_bytes(chunk).numpy()))
+        flat = t.reshape(-1)
+        step = max(1, (64 << 20) // t.element_size())
+        for start in range(0, flat.numel(), step):
+            f.write(memoryview(_as_bytes(flat[start:start + step].to("cpu")).numpy()))
 
     # -- reading --------------------------------------------------------------------------------------
     def load(self, slot: Slot) -> torch.Tensor:
@@ -135,34 +123,23 @@ class TensorStore:
         if self.mode == "host":
             return self._tensors[slot.index].to(slot.device, copy=True)
         out = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
-        self._read_into(slot, out)
+        self._read_range(slot, out, 0)
         return out.to(slot.device) if slot.device.type != "cpu" else out
 
     def copy_into(self, slot: Slot, live: torch.Tensor) -> None:
         with torch.no_grad():
             if self.mode != "disk":
                 live.copy_(self._tensors[slot.index])
-            elif live.device.type == "cpu" and live.dtype == slot.dtype and live.is_contiguous():
-                self._read_into(slot, live)
+            elif not live.is_contiguous():
+                live.copy_(self.load(slot))
             elif live.device.type == "cpu" and live.dtype == slot.dtype:
-                tmp = torch.empty(slot.shape, dtype=slot.dtype)
-                self._read_into(slot, tmp)
-                live.copy_(tmp)
+                self._read_range(slot, live, 0)
             else:   # another device or dtype: through host memory in chunks
-                flat = live.view(-1) if live.is_contiguous() else None
-                if flat is None:
-                    live.copy_(self.load(slot))
-                    return
-                step = max(1, (64 << 20) // max(torch.empty((), dtype=slot.dtype).element_size(), 1))
-                n = flat.numel()
-                for start in range(0, n, step):
-                    count = min(step, n - start)
-                    buf = torch.empty(count, dtype=slot.dtype)
+                flat, step = live.view(-1), max(1, (64 << 20) // slot.dtype.itemsize)
+                for start in range(0, flat.numel(), step):
+                    buf = torch.empty(min(step, flat.numel() - start), dtype=slot.dtype)
                     self._read_range(slot, buf, start)
-                    flat[start:start + count].copy_(buf)
-
-    def _read_into(self, slot: Slot, out: torch.Tensor) -> None:
-        self._read_range(slot, out, 0)
+                    flat[start:start + buf.numel()].copy_(buf)
 
     def _read_range(self, slot: Slot, out: torch.Tensor, start: int) -> None:
         f = self._open()
@@ -203,4 +180,4 @@ def choose_mode(mode: str, device_type: str, nbytes: int, memory_limit_mb: float
     return "host" if device_type == "cuda" else "disk"
 
 
-__all__ = ["TensorStore", "Slot", "choose_mode", "MODES"]
+__all__ = ["TensorStore", "Slot", "choose_mode"]

@@ -120,9 +120,10 @@ _HINTS = {
 }
 
 
-def _positive_int(values: dict, key: str, where: str, default: int = 1) -> int:
+def _positive_int(values: dict, key: str, where: str, default: int | None = 1) -> int | None:
+    """``values[key]`` checked: a positive int (None only where the default is None)."""
     v = values.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if (v is not None or default is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise TargetError(f"'{key}' is {v!r}", where, "Use a positive integer, or leave it out")
     return v
 
@@ -231,9 +232,7 @@ def validate(obj: Any, where: str) -> Target:
     values["accumulate"] = _positive_int(values, "accumulate", where)
     if not isinstance(values.get("scheduler_on_skip", True), bool):
         raise TargetError(f"'scheduler_on_skip' is {values['scheduler_on_skip']!r}", where, "Use True or False")
-    nc = values.get("num_classes")
-    if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc <= 0):
-        raise TargetError(f"'num_classes' is {nc!r}", where, "Use a positive integer, or leave it out")
+    _positive_int(values, "num_classes", where, None)
     ii = values.get("ignore_index", -100)
     if isinstance(ii, bool) or not isinstance(ii, int):
         raise TargetError(f"'ignore_index' is {ii!r}", where, "Use an integer label value, e.g. -100")
