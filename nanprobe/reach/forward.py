@@ -105,7 +105,8 @@ def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding,
     """The root module's forward, rerun on the step's inputs, is finite and the loss the script computed
     outside it is not: the origin is among the ops in between (named from the graph's structure)."""
     ops = info.get("ops") or []
-    risky = list(dict.fromkeys(base for base in (_base(n) for n in ops) if base in _RISKY))
+    # "LogBackward0" -> "log"
+    risky = list(dict.fromkeys(base for base in (n.split("Backward")[0].lower() for n in ops) if base in _RISKY))
     if not risky:
         return None
     lines = [f"the root module's forward, rerun on the step's inputs under instrumentation, is finite and the loss "
@@ -134,11 +135,6 @@ def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding,
 
 
 _INF_ONLY = {"exp"}   # ops that make +inf, not NaN, from finite inputs
-
-
-def _base(node_name: str) -> str:
-    name = node_name.split("Backward")[0]
-    return name.lower()
 
 
 def device_of_module(module: torch.nn.Module) -> str:

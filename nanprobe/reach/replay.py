@@ -355,10 +355,6 @@ def storage_policy(cfg: ReplayConfig) -> StoragePolicy:
                          directory=cfg.snapshot_dir or None)
 
 
-def _bad_record_note(record: StepRecord, reason: str) -> str:
-    return f"step {record.step} was already bad ({reason})"
-
-
 def reach(target: Target, *, at: int | None, precision: Precision, cfg: ReplayConfig, where: str,
           max_steps: int | None = None, on_progress: Callable[[int], None] | None = None,
           policy: str = "native", keep_last: bool = False, excursions: bool = False,
@@ -443,23 +439,22 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
                              "Give a step the data reaches, raise 'epochs', or make batches longer")
         if k == at:
             snap = r.loop.objects.take()
+            record, step_ratios, error = None, {}, None
             try:
-                outcome, record, step_ratios, params_finite = r.run(feed, before=snap.model)
+                _, record, step_ratios, params_finite = r.run(feed, before=snap.model)
+                status, reason = r.judge.judge(record, params_finite)
             except UserCodeError as exc:
-                recorded = Recorded.of_partial(feed)
-                snap.restore(r.loop.objects)
-                return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
-                                history, ratios, reached_by, notes, error=exc, earlier=earlier)
-            status, reason = r.judge.judge(record, params_finite)
+                status, reason, error = Status.NONFINITE, _raised(exc, k, feed.position), exc
             snap.restore(r.loop.objects)
-            out = _reached(r, k, Recorded.of(feed), snap, status, reason, record, history, ratios, reached_by,
-                           notes, earlier=earlier)
+            recorded = Recorded.of(feed) if error is None else Recorded.of_partial(feed)
+            out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes,
+                           error=error, earlier=earlier)
             out.step_ratios = step_ratios
             return out
         light = r.light()
         before = r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
         try:
-            outcome, record, step_ratios, params_finite = r.run(feed, before=before)
+            _, record, step_ratios, params_finite = r.run(feed, before=before)
         except UserCodeError as exc:
             # the step raised: it is the bad step (the run cannot go past it); undo what it did
             recorded = Recorded.of_partial(feed)
@@ -477,7 +472,7 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
         if status is not Status.FINITE:
             earlier.append(record)
             if len([n for n in notes if "was already bad" in n]) < 3:
-                notes.append(_bad_record_note(record, reason) + f"; diagnosing --at {at} as asked "
+                notes.append(f"step {record.step} was already bad ({reason}); diagnosing --at {at} as asked "
                              f"(nanprobe run --at {k} diagnoses step {k})")
         if on_progress:
             on_progress(k)
@@ -502,7 +497,6 @@ class _Watch:
     growth: dict[str, float]
     before: list[Recorded]
     left: int                       # steps still to watch
-    note: str = ""
 
 
 def _excursion_note(w: _Watch, back: StepRecord) -> str:
@@ -539,16 +533,23 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         return _reached(r, rec.step, log[-1], snap, Status.FINITE, None, rec, list(history)[:-1], ratios,
                         reached_by, notes)
 
-    def at_watch(w: _Watch, extra: list[str]) -> Reached:
+    def at_watch(w: _Watch, extra: list[str] = ()) -> Reached:
         """The state before a watched spike (rebuilt from the snapshot it started from)."""
         hist = deque(w.history, maxlen=history.maxlen)
         snap, ratios = _rebuild(r, w.rolling, w.log, hist)
         out = _reached(r, w.step, w.recorded, snap, w.status, w.reason, w.record, hist, ratios, reached_by,
-                       notes + extra)
+                       notes + list(extra))
         out.growth, out.before = w.growth, w.before
+        if first is not None and first is not w:
+            out.onset = first.step
         return out
 
-    def finish(out: Reached) -> Reached:
+    def here(recorded: Recorded, status: Status, reason: str | None, record: StepRecord | None,
+             error: UserCodeError | None = None) -> Reached:
+        """The state before step k (rebuilt from the rolling snapshot); a recovered excursion is its onset."""
+        snap, ratios = _rebuild(r, rolling, log, history)
+        out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes,
+                       error=error)
         if first is not None:
             out.onset = first.step
         return out
@@ -571,14 +572,11 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             rolling = r.loop.objects.take(reuse=None if first is not None and first.rolling is rolling else rolling)
             log = []
         try:
-            outcome, record, step_ratios, params_finite = r.run(feed)
+            _, record, _, params_finite = r.run(feed)
         except UserCodeError as exc:
             if watch is not None:   # a step that raises right after a spike: the spike did not recover
-                return finish(at_watch(watch, []))
-            recorded = Recorded.of_partial(feed)
-            snap, ratios = _rebuild(r, rolling, log, history)
-            return finish(_reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
-                                   history, ratios, reached_by, notes, error=exc))
+                return at_watch(watch)
+            return here(Recorded.of_partial(feed), Status.NONFINITE, _raised(exc, k, feed.position), None, exc)
         recorded = Recorded.of(feed)
         status, reason = r.judge.judge(record, params_finite)
         if on_progress:
@@ -588,39 +586,26 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
                 # after an excursion that recovered, a spike is judged by what follows it: it ran into
                 # non-finite values, and the first non-finite step is the failure, with the excursion as onset
                 notes.append(f"step {watch.step} did not recover ({watch.reason}); step {k} is non-finite")
-                snap, ratios = _rebuild(r, rolling, log, history)
-                out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes)
-                out.onset = first.step
-                return out
+                return here(recorded, status, reason, record)
             if status is not Status.FINITE:
-                return finish(at_watch(watch, []))   # it did not recover: the spike is the failure
+                return at_watch(watch)   # it did not recover: the spike is the failure
             if r.judge.back_to_normal(record):
-                watch.note = _excursion_note(watch, record)
-                notes.append(watch.note)
+                notes.append(_excursion_note(watch, record))
                 if first is None:
                     first = watch
                 watch = None
             else:
                 watch.left -= 1
                 if watch.left <= 0:
-                    return finish(at_watch(watch, []))
+                    return at_watch(watch)
         elif status is not Status.FINITE:
-            if excursions and status is Status.SPIKE and r.judge.at_once():
-                watch = _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason,
-                               rolling=rolling, log=list(log), history=list(history), growth=r.growth(1),
-                               before=r.recent_inputs(k),
-                               left=max(r.cfg.persist_steps, 1))
-                r.judge.add(record, excursion=True)
-                log.append(recorded)
-                history.append(record)
-                r.remember(recorded)
-                k += 1
-                continue
-            snap, ratios = _rebuild(r, rolling, log, history)
-            return finish(_reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by,
-                                   notes))
+            if not (excursions and status is Status.SPIKE and r.judge.at_once()):
+                return here(recorded, status, reason, record)
+            watch = _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason,
+                           rolling=rolling, log=list(log), history=list(history), growth=r.growth(1),
+                           before=r.recent_inputs(k), left=max(r.cfg.persist_steps, 1))
         log.append(recorded)
-        r.judge.add(record)
+        r.judge.add(record, excursion=watch is not None and watch.step == k)
         history.append(record)
         r.remember(recorded)
         k += 1

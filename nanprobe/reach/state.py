@@ -103,12 +103,7 @@ class RngTracker:
 # -- state kept outside parameters, buffers and optimizers --------------------------------------------
 
 _NOT_STATE = object()
-_MODULE_INTERNALS = frozenset({"training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
-                               "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
-                               "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-                               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                               "_load_state_dict_post_hooks"})
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))   # training, _parameters, the hook dicts, ...
 
 
 def _value(v: Any, depth: int = 0) -> Any:
@@ -461,10 +456,8 @@ class Snapshot:
         else:
             for (_, opt), layout in zip(objects.optimizers, self.optimizers):
                 _restore_groups_only(opt, layout)
-            for p in objects.model.parameters():
+            for p in [*objects.model.parameters(), *(m for _, m in objects.masters)]:
                 p.grad = None
-            for _, m in objects.masters:
-                m.grad = None
         for (_, sched), saved in zip(objects.schedulers, self.schedulers):
             if saved is not None:
                 sched.load_state_dict(copy.deepcopy(saved))

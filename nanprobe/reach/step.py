@@ -450,8 +450,8 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         scale = start.reshape(()) if scale is None else scale
     lr = watch.lr if watch.lr is not None else (current_lr(t.optimizers[0][1]) if t.optimizers else None)
     applied = o.precision is loop.precision or watch.entered_autocast or not o.precision.autocast or t.pure
-    return StepOutcome(loss=sum(parts[1:], parts[0]) if parts else None, losses=losses if len(losses) > 1 else {}, grad_norm=grad_norm, lr=lr,
-                       found_inf=found, scale=scale,
+    return StepOutcome(loss=sum(parts[1:], parts[0]) if parts else None, losses=losses if len(losses) > 1 else {},
+                       grad_norm=grad_norm, lr=lr, found_inf=found, scale=scale,
                        autocast=tuple(dict.fromkeys(watch.dtypes)), precision_applied=applied)
 
 
