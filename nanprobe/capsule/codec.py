@@ -15,7 +15,8 @@ import enum
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,26 @@ def capsule_name(step: int, rank: int, attempt: int = 0) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     extra = f"-{attempt}" if attempt else ""
     return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{extra}{SUFFIX}"
+
+def publish(tmp: Path, names: Callable[[int], Path], *, link: bool) -> Path:
+    """Give the complete ``tmp`` the first free name of ``names(0)``, ``names(1)``, ...; never replaces
+    anything: a file is hard-linked (which fails where the name is taken), a directory renamed."""
+    for attempt in range(1000):
+        final = names(attempt)
+        if final.exists():
+            continue
+        try:
+            (os.link if link else os.rename)(tmp, final)
+            return final
+        except OSError:
+            if final.exists():   # taken meanwhile
+                continue
+            if not link:
+                raise
+            os.rename(tmp, final)   # no hard links here (some network/FUSE file systems)
+            return final
+    raise OSError(f"no free capsule name in {final.parent}")
+
 
 _TAG = "__nanprobe__"
 
@@ -65,12 +86,9 @@ def fingerprint_difference(saved: list, model: torch.nn.Module) -> str | None:
     theirs = {str(item[0]): list(item[1]) for item in saved}
     missing = [n for n in theirs if n not in mine]
     extra = [n for n in mine if n not in theirs]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"capsule has {len(missing)} parameter(s) the model lacks, e.g. {missing[0]!r}")
-        if extra:
-            parts.append(f"model has {len(extra)} parameter(s) the capsule lacks, e.g. {extra[0]!r}")
+    parts = [f"{a} has {len(names)} parameter(s) the {b} lacks, e.g. {names[0]!r}"
+             for a, b, names in (("capsule", "model", missing), ("model", "capsule", extra)) if names]
+    if parts:
         return "; ".join(parts)
     for name, shape in theirs.items():
         if mine[name] != shape:
@@ -182,7 +200,7 @@ def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any
         raise CapsuleError(f"a batch {kind} holds a {type(enc.get('data')).__name__}, not a tensor", None,
                            "The capsule is damaged; use another one")
     if kind == "tensor":
-        return _to_device(enc["data"], str(enc.get("device", "cpu")), device, notes)
+        return _to_device(enc["data"], str(enc.get("device", "cpu")), notes)
     if kind == "ndarray":
         return enc["data"].numpy()
     if kind in ("list", "tuple"):
@@ -221,16 +239,14 @@ def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any
     raise CapsuleError(f"unknown batch element {kind!r}", None, "The capsule is damaged or from a newer nanprobe")
 
 
-def _to_device(t: torch.Tensor, saved: str, fallback: torch.device | None, notes: list[str]) -> torch.Tensor:
-    if saved.startswith("cuda"):
-        if torch.cuda.is_available():
-            try:
-                return t.to(saved)
-            except (RuntimeError, AssertionError):
-                return t.to("cuda")
-        if "cuda batch" not in " ".join(notes):
-            notes.append("the capsule's cuda batch is replayed on cpu")
-        return t
+def _to_device(t: torch.Tensor, saved: str, notes: list[str]) -> torch.Tensor:
+    if saved.startswith("cuda") and torch.cuda.is_available():
+        try:
+            return t.to(saved)
+        except (RuntimeError, AssertionError):
+            return t.to("cuda")
+    if saved.startswith("cuda") and "cuda batch" not in " ".join(notes):
+        notes.append("the capsule's cuda batch is replayed on cpu")
     return t
 
 

@@ -28,7 +28,9 @@ from ..base.errors import CapsuleError, short_path
 from ..base.precision import Precision, device_of, parse_precision
 from ..base.report import Status, StepRecord
 from ..base.sharding import full_value
-from .codec import SUFFIX, capsule_name, compiled_graphs, encode_batch, fingerprint, rng_to_safe, safe_value, unwrap
+from . import sharded
+from .codec import (SUFFIX, capsule_name, compiled_graphs, encode_batch, fingerprint, publish, rng_to_safe, safe_value,
+                    unwrap)
 
 FORMAT = 2
 MAGIC = "nanprobe_capsule"
@@ -69,17 +71,12 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
           threads: int | None = None, position: dict[str, Any] | None = None,
           carried: dict[str, Any] | None = None, grad_scaler: bool = False, form: str = "loss_fn") -> dict[str, Any]:
     """Everything to replay one step, as a dict that torch.load(weights_only=True) accepts."""
-    from . import sharded
-
     dropped: list[str] = []
     module = unwrap(model)
     dcp = sharded.wanted(model, world_size, optimizers)   # FSDP/DDP: tensors go to DCP when written, not gathered
     device = device_of(module)
-    scheds = []
-    for i, s in enumerate(schedulers):
-        state = s.state_dict() if callable(getattr(s, "state_dict", None)) else None
-        scheds.append(None if state is None else safe_value(state, dropped, f"scheduler[{i}]"))
-    items = list(micro_batches) if micro_batches is not None else []
+    scheds = [safe_value(s.state_dict(), dropped, f"scheduler[{i}]") if callable(getattr(s, "state_dict", None))
+              else None for i, s in enumerate(schedulers)]
     data = {
         MAGIC: FORMAT,
         "versions": {"nanprobe": str(__version__), "torch": str(torch.__version__),
@@ -109,7 +106,7 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         "schedulers": scheds,
         "scalers": [safe_value(s.state_dict(), dropped, f"scaler[{i}]") if s.is_enabled() else {}
                     for i, s in enumerate(scalers)],
-        "micro_batches": [encode_batch(b) for b in items],
+        "micro_batches": [encode_batch(b) for b in micro_batches or ()],
         "batch_missing": micro_batches is None,
         "rng": rng_to_safe(rng),
         "micro_rng": [rng_to_safe(r) for r in (micro_rng or [])],
@@ -133,8 +130,6 @@ def write(data: dict[str, Any], folder: str | os.PathLike, *, model: torch.nn.Mo
     (``capsule.sharded``): it needs the live ``model`` and ``optimizers``, and every rank must call this.
     """
     if data.get("sharded"):
-        from . import sharded
-
         if model is None:
             raise ValueError("a sharded capsule is written from the live model: pass model= and optimizers=")
         return sharded.write(data, folder, model, list(optimizers or []))
@@ -144,19 +139,8 @@ def write(data: dict[str, Any], folder: str | os.PathLike, *, model: torch.nn.Mo
     with open(tmp, "xb") as fh:
         torch.save(data, fh)
     try:
-        for attempt in range(1000):
-            final = folder / capsule_name(int(data["step"]), int(data.get("rank", 0)), attempt)
-            try:
-                os.link(tmp, final)
-                return final
-            except FileExistsError:
-                continue
-            except OSError:  # no hard links here (some network/FUSE file systems)
-                if final.exists():
-                    continue
-                os.rename(tmp, final)
-                return final
-        raise OSError(f"no free capsule name in {folder}")
+        step, rank = int(data["step"]), int(data.get("rank", 0))
+        return publish(tmp, lambda attempt: folder / capsule_name(step, rank, attempt), link=True)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -198,13 +182,13 @@ def _upgrade(data: dict[str, Any]) -> None:
     data.setdefault("form", "loss_fn")
 
 
-_LOCAL, _DESCRIPTOR, _CENTRAL, _END = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02", b"PK\x05\x06"
+_LOCAL, _END = b"PK\x03\x04", b"PK\x05\x06"
 
 
-def _storage_bytes(pkl: bytes) -> int | None:
-    """The bytes of tensor data a torch.save pickle refers to (its persistent ids name each storage's dtype
-    and element count). Nothing in it is called: every global resolves to an inert stand-in."""
-    import io as _io
+def _needed_bytes(fh) -> int | None:
+    """The bytes of a torch.save pickle (read from ``fh``'s position) plus the tensor data it refers to
+    (its persistent ids name each storage's dtype and element count). Nothing in it is called: every
+    global resolves to an inert stand-in."""
     import pickle
 
     sizes: dict[str, int] = {}
@@ -232,72 +216,36 @@ def _storage_bytes(pkl: bytes) -> int | None:
                 sizes[str(pid[2])] = int(pid[4]) * dtype.itemsize
             return None
 
+    start = fh.tell()
     try:
-        Reader(_io.BytesIO(pkl)).load()
+        Reader(fh).load()   # stops at the pickle's end: the file position says how long it is
     except Exception:  # noqa: BLE001 - a pickle cut short or of another layout: no estimate
         return None
-    return sum(sizes.values())
+    return fh.tell() - start + sum(sizes.values())
 
 
-def truncation(path: str | os.PathLike) -> tuple[int, int] | None:
-    """``(size, expected)`` when a torch.save (zip) file ends inside its own records: the bytes found and
-    at least how many it needs (its data.pickle lists every tensor's bytes). None when it is complete or
-    not a torch.save file. torch writes each record's size after its data, so the records are walked by
-    finding each record's descriptor (one whose size matches the distance walked)."""
+def truncation(path: str | os.PathLike) -> tuple[int, int | None] | None:
+    """``(size, expected)`` when a torch.save (zip) file lacks its end record (it was cut off): the bytes
+    found and, where its first record (data.pkl) is whole, at least how many it needs (the pickle and every
+    tensor it lists), else None. None when the file is complete or not a torch.save file."""
     size = os.path.getsize(path)
-    off, pkl, data_bytes = 0, None, 0
     with open(path, "rb") as fh:
-        while True:
-            fh.seek(off)
-            head = fh.read(30)
-            if head[:4] == _CENTRAL:   # every record is there; the directory follows, and ends the file
-                fh.seek(max(off, size - 65557))
-                tail = fh.read()
-                i = tail.rfind(_END)
-                return None if i >= 0 and len(tail) - i >= 22 else (size, None)
-            if head[:4] != _LOCAL:
-                return (size, None) if off > 0 and len(head) < 4 else None
-            if len(head) < 30:
-                break
+        head = fh.read(30)
+        if head[:4] != _LOCAL:
+            return None
+        fh.seek(max(0, size - 65557))   # the end record: 22 bytes and a comment of at most 65535
+        tail = fh.read()
+        i = tail.rfind(_END)
+        if i >= 0 and len(tail) - i == 22 + int.from_bytes(tail[i + 20:i + 22], "little"):
+            return None
+        needed = None
+        if len(head) == 30:
             nlen, xlen = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
-            fh.seek(off + 30)
-            name = fh.read(nlen)
-            start = off + 30 + nlen + xlen
-            csize = int.from_bytes(head[18:22], "little")
-            end = None
-            if not int.from_bytes(head[6:8], "little") & 8:
-                end = start + csize
-            else:   # find the descriptor that follows this record's data
-                pos, tail = start, b""
-                while end is None:
-                    fh.seek(pos)
-                    chunk = fh.read(1 << 20)
-                    if not chunk:
-                        break
-                    buf = tail + chunk
-                    base = pos - len(tail)
-                    i = buf.find(_DESCRIPTOR)
-                    while i >= 0:
-                        desc = buf[i:i + 24]
-                        if len(desc) >= 16 and int.from_bytes(desc[8:12], "little") == base + i - start or \
-                                len(desc) >= 24 and int.from_bytes(desc[8:16], "little") == base + i - start:
-                            end = base + i
-                            break
-                        i = buf.find(_DESCRIPTOR, i + 1)
-                    tail, pos = buf[-23:], pos + len(chunk)
-            if end is None or end > size:
-                break
-            if name.endswith(b"data.pkl"):
-                fh.seek(start)
-                pkl = fh.read(end - start)
-            elif b"/data/" in name:
-                data_bytes += end - start
-            fh.seek(end)
-            desc = fh.read(24)
-            off = end if not desc.startswith(_DESCRIPTOR) else end + (
-                16 if int.from_bytes(desc[8:12], "little") == end - start else 24)
-    total = _storage_bytes(pkl) if pkl is not None else None
-    return size, (len(pkl) + total if total is not None and len(pkl) + total > size else None)
+            fh.seek(30)
+            if fh.read(nlen).endswith(b"data.pkl"):
+                fh.seek(30 + nlen + xlen)
+                needed = _needed_bytes(fh)
+    return size, (needed if needed is not None and needed > size else None)
 
 
 def read(path: str | os.PathLike) -> Capsule:
@@ -386,10 +334,8 @@ def prune(capsules: list[Path], limit: int, may_delete: Callable[[Path], bool] =
     while len(capsules) > limit:
         old = capsules.pop(1)
         if old.is_dir():   # a sharded capsule's directory (every rank may get here: missing files are fine)
-            from .sharded import DIR_NAME, remove
-
-            if DIR_NAME.match(old.name):
-                remove(old)
+            if sharded.DIR_NAME.match(old.name):
+                sharded.remove(old)
             continue
         if may_delete(old):
             try:
@@ -409,11 +355,9 @@ def report_stem(capsule: Path, rank: int) -> str:
     """The name (no suffix) of a report written beside capsule ``capsule``: a capsule file's own stem
     (``stepNNNNNNN-rankR-<time>-<pid>``); a sharded capsule's directory (one for every rank,
     ``stepNNNNNNN-<time>-<pid>``) with the rank after the step, as a file's."""
-    from .sharded import DIR_SUFFIX
-
     if capsule.name.endswith(SUFFIX):
         return capsule.name[:-len(SUFFIX)]
-    step, _, rest = capsule.name.removesuffix(DIR_SUFFIX).partition("-")
+    step, _, rest = capsule.name.removesuffix(sharded.DIR_SUFFIX).partition("-")
     return f"{step}-rank{rank}-{rest}" if rest else f"{step}-rank{rank}"
 
 

@@ -19,7 +19,8 @@ from ..base.errors import CapsuleError, UsageError, short_path
 from ..base.precision import Precision, device_of, parse_precision
 from ..base.report import Status
 from .codec import decode_batch, fingerprint_difference, rng_from_safe, unwrap
-from .io import Capsule, list_capsules, read, to_record
+from . import sharded
+from .io import Capsule, build, list_capsules, read, record_dict, to_record
 
 
 def _no_log(self, *args: Any, **kwargs: Any) -> None:
@@ -289,10 +290,8 @@ def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None 
 
     Returns ``(reached_or_None, notes)``; capsules that cannot be used are skipped with a note.
     """
-    from .sharded import list_dirs
-
     notes: list[str] = []
-    for d in list_dirs(cfg.guard.capsule_dir, step):
+    for d in sharded.list_dirs(cfg.guard.capsule_dir, step):
         try:
             return reach_from_dir(d, loaded, cfg, precision=precision, policy=policy, extra=extra), []
         except CapsuleError as err:
@@ -331,19 +330,16 @@ def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str 
     goes into the entrypoint's unsharded model and optimizers; each rank's batch is rerun in rank order on
     it, and the first rank whose batch gives a non-finite value is the step diagnosed (none: the rank the
     run itself named). ``extra`` (filled in): the ranks replayed, for the report."""
-    from . import sharded
-
     caps, state = sharded.read_dir(path, read)
     target = loaded.target
     module = target.model
     where = str(path)
-    for cap in caps:
-        check_model(cap, module)
     saved = state.get("optimizers") or {}
     live = target.optimizers
     for cap in caps:
-        metas = cap.data.get("optimizers") or []
+        check_model(cap, module)
         data = cap.data
+        metas = data.get("optimizers") or []
         data["model"] = state.get("model") or {}
         if len(metas) == len(live):
             data["optimizers"] = [_field(cap, "optimizers", lambda m=m, i=i, o=o: sharded.optimizer_state(
@@ -412,8 +408,6 @@ def capsule_reach(loaded, cfg, *, capsule: str | os.PathLike | None, at: int | N
 
 def build_from_reached(reached, *, entry: str | None = None) -> dict:
     """The capsule of a reached step (smoke's CI artifact): the objects must be in the state before it."""
-    from .io import build, record_dict
-
     loop = reached.loop
     target = loop.target
     snap = reached.snapshot

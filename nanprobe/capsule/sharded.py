@@ -21,6 +21,7 @@ batch is replayed in turn to find the rank whose batch gives the first non-finit
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import random
@@ -35,16 +36,12 @@ import torch
 
 from ..base.errors import CapsuleError, short_path
 from ..base.sharding import fsdp1_root, sharded
-from .codec import capsule_name, safe_value, unwrap
+from .codec import SUFFIX, capsule_name, publish, safe_value, unwrap
 
 DIR_SUFFIX = ".capsule"
 DIR_NAME = re.compile(r"^step(\d+)-.*" + re.escape(DIR_SUFFIX) + r"$")
 RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
 KIND = "dcp"
-
-
-def _ddp(model: torch.nn.Module) -> bool:
-    return type(model).__name__ == "DistributedDataParallel"
 
 
 def fsdp1(model: torch.nn.Module) -> bool:
@@ -63,7 +60,8 @@ def wanted(model: torch.nn.Module, world_size: int, optimizers: list[Any] = ()) 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return _ddp(model) or sharded(unwrap(model)) or fsdp1(model) or replicated(unwrap(model), optimizers)
+    return type(model).__name__ == "DistributedDataParallel" or sharded(unwrap(model)) or fsdp1(model) \
+        or replicated(unwrap(model), optimizers)
 
 
 def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -99,12 +97,21 @@ def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
 # -- writing --------------------------------------------------------------------------------------------
 
 
+def _split(state: Mapping[str, Mapping[str, Any]], groups: list, dropped: list[str],
+           i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Optimizer state keyed by parameter name: (tensors for DCP, the rest for the rank file)."""
+    tensors: dict[str, dict[str, Any]] = {}
+    rest: dict[str, dict[str, Any]] = {}
+    for name, entry in state.items():
+        for key, value in entry.items():
+            (tensors if isinstance(value, torch.Tensor) else rest).setdefault(name, {})[key] = value
+    return tensors, safe_value({"param_groups": groups, "state": rest}, dropped, f"optimizer[{i}]")
+
+
 def _split_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], dropped: list[str],
                      i: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An optimizer's state keyed by parameter name: (tensors for DCP, the rest for the rank file)."""
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    rest: dict[str, dict[str, Any]] = {}
-    groups = []
+    """:func:`_split` of a live optimizer, its parameters named by ``names`` (id -> name)."""
+    state, groups = {}, []
     for g in opt.param_groups:
         params = []
         for p in g["params"]:
@@ -113,14 +120,9 @@ def _split_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], dropped:
                 raise CapsuleError(f"optimizer[{i}] steps a tensor outside the model", None,
                                    "A sharded capsule names optimizer state by parameter name")
             params.append(name)
-            for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors.setdefault(name, {})[key] = value.detach()
-                else:
-                    rest.setdefault(name, {})[key] = value
+            state[name] = opt.state.get(p, {})
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
-    meta = safe_value({"param_groups": groups, "state": rest}, dropped, f"optimizer[{i}]")
-    return tensors, meta
+    return _split(state, groups, dropped, i)
 
 
 def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) -> tuple[dict[str, Any], list]:
@@ -132,22 +134,13 @@ def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) ->
             warnings.simplefilter("ignore")   # FSDP1's ShardedTensor and process-group deprecations
             model_sd = get_model_state_dict(model)
             osds = [get_optimizer_state_dict(model, opt) for opt in optimizers]
-        tensors, metas = {}, []
-        for i, osd in enumerate(osds):
-            t = {n: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for n, s in osd["state"].items()}
-            rest = {n: {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)} for n, s in osd["state"].items()}
-            tensors[str(i)] = t
-            metas.append(safe_value({"param_groups": osd["param_groups"], "state": rest}, dropped, f"optimizer[{i}]"))
-        return {"model": model_sd, "optimizers": tensors}, metas
-    module = unwrap(model)
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    model_sd = {k: v.detach() for k, v in module.state_dict().items()}   # DTensors stay sharded
-    tensors, metas = {}, []
-    for i, opt in enumerate(optimizers):
-        t, meta = _split_optimizer(opt, names, dropped, i)
-        tensors[str(i)] = t
-        metas.append(meta)
-    return {"model": model_sd, "optimizers": tensors}, metas
+        parts = [_split(osd["state"], osd["param_groups"], dropped, i) for i, osd in enumerate(osds)]
+    else:
+        module = unwrap(model)
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        model_sd = {k: v.detach() for k, v in module.state_dict().items()}   # DTensors stay sharded
+        parts = [_split_optimizer(opt, names, dropped, i) for i, opt in enumerate(optimizers)]
+    return {"model": model_sd, "optimizers": {str(i): t for i, (t, _) in enumerate(parts)}}, [m for _, m in parts]
 
 
 def _intact(t: torch.Tensor) -> bool:
@@ -242,21 +235,11 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         raise OSError("a rank could not write its file of the capsule")
     final = err = None
     if rank == 0:
-        for attempt in range(1000):
-            name = capsule_name(step, 0, attempt).replace("-rank0-", "-")
-            candidate = folder / (name[:-len(".capsule.pt")] + DIR_SUFFIX)
-            if candidate.exists():
-                continue
-            try:
-                os.rename(tmp, candidate)
-                final = str(candidate)
-                break
-            except OSError as exc:
-                if not candidate.exists():
-                    err = f"error: {exc.strerror or exc}"
-                    break
-        else:
-            err = f"error: no free capsule name in {folder}"
+        try:
+            final = str(publish(tmp, lambda attempt: folder / (
+                capsule_name(step, 0, attempt).replace("-rank0-", "-").removesuffix(SUFFIX) + DIR_SUFFIX), link=False))
+        except OSError as exc:
+            err = f"error: {exc.strerror or exc}"
     return Path(_agree(final, err))
 
 
@@ -356,15 +339,9 @@ def state_bytes(path: str | os.PathLike) -> int:
     """The bytes of the full (unsharded) state a capsule directory holds, from its DCP metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = _metadata(Path(path))
-    total = 0
-    for item in md.state_dict_metadata.values():
-        if isinstance(item, TensorStorageMetadata):
-            n = 1
-            for s in item.size:
-                n *= int(s)
-            total += n * item.properties.dtype.itemsize
-    return total
+    return sum(math.prod(item.size) * item.properties.dtype.itemsize
+               for item in _metadata(Path(path)).state_dict_metadata.values()
+               if isinstance(item, TensorStorageMetadata))
 
 
 def available_bytes() -> int | None:
@@ -402,13 +379,7 @@ def load_state(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def rank_files(path: str | os.PathLike) -> list[tuple[int, Path]]:
-    p = Path(path)
-    found = []
-    for q in p.iterdir():
-        m = RANK_FILE.match(q.name)
-        if m:
-            found.append((int(m.group(1)), q))
-    return sorted(found)
+    return sorted((int(m.group(1)), q) for q in Path(path).iterdir() if (m := RANK_FILE.match(q.name)))
 
 
 def optimizer_state(meta: Mapping[str, Any], tensors: Mapping[str, Any], opt: torch.optim.Optimizer,
@@ -420,27 +391,19 @@ def optimizer_state(meta: Mapping[str, Any], tensors: Mapping[str, Any], opt: to
     if len(groups) != len(opt.param_groups):
         raise CapsuleError(f"the capsule's optimizer has {len(groups)} parameter group(s), the entrypoint's "
                            f"{len(opt.param_groups)}", where, "Return the optimizer of the guarded run")
-    index: dict[str, int] = {}
+    index: dict[str, int] = {}   # parameter name -> its index in opt's groups (names are distinct)
     out_groups = []
-    i = 0
     for saved, live in zip(groups, opt.param_groups):
         live_names = [names.get(id(p)) for p in live["params"]]
         if list(saved.get("params") or []) != live_names:
             raise CapsuleError("the capsule's optimizer steps other parameters than the entrypoint's "
                                f"(group of {len(live_names)})", where,
                                "Return the same optimizer and parameter groups as the guarded run")
-        ids = []
-        for n in live_names:
-            index[n] = i
-            ids.append(i)
-            i += 1
-        out_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        out_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                           "params": [index.setdefault(n, len(index)) for n in live_names]})
     rest = meta.get("state") or {}
-    state: dict[int, dict[str, Any]] = {}
-    for n, k in index.items():
-        entry = {**dict(rest.get(n) or {}), **dict(tensors.get(n) or {})}
-        if entry:
-            state[k] = entry
+    state = {k: entry for n, k in index.items()
+             if (entry := {**dict(rest.get(n) or {}), **dict(tensors.get(n) or {})})}
     return {"state": state, "param_groups": out_groups}
 
 
