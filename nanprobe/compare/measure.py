@@ -24,7 +24,6 @@ ROOT = "(model)"
 # (e.g. exp(-700) in a saturated softmax) that no training precision keeps, and they weigh nothing.
 _FLOOR = float(torch.finfo(torch.float32).tiny)
 # per-row numbers: absmax (finite), non-finite count, sum (y-ref)^2, sum ref^2, underflowed, ref non-zero, dot, sum y^2
-_W = 8
 
 
 @contextlib.contextmanager
@@ -298,12 +297,8 @@ class _Agg:
         self.absmax = max(self.absmax, v[0])
         self.nonfinite += v[1]
         if compared:
-            self.diff2 += v[2]
-            self.ref2 += v[3]
-            self.under += v[4]
-            self.count += v[5]
-            self.dot += v[6]
-            self.sq += v[7]
+            for i, name in enumerate(("diff2", "ref2", "under", "count", "dot", "sq"), start=2):
+                setattr(self, name, getattr(self, name) + v[i])
             self.compared = True
         self.dtype = self.dtype or dtype
 

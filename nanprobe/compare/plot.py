@@ -10,8 +10,6 @@ from ..base.errors import UsageError
 from .records import Comparison
 
 
-# -- plot ------------------------------------------------------------------------------------------------
-
 def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -23,9 +21,8 @@ def require_matplotlib() -> None:
 _PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
-def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
-    """Per-layer abs-max of activations and gradients for each precision, log axis, fp16/bf16 limits."""
-    path = Path(path)
+def _figure(path: Path, figsize: tuple[float, float]):
+    """A matplotlib Figure (no pyplot, no display) for a plot to be written to ``path``."""
     if path.suffix.lower() not in _PLOT_SUFFIXES:
         raise UsageError(f"cannot write a plot to {path}", "--plot",
                          f"Give a file ending in {', '.join(_PLOT_SUFFIXES)}")
@@ -33,9 +30,23 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    modules = [row.module for row in cmp.layers]
-    fig = Figure(figsize=(max(8.0, min(0.28 * len(modules) + 4, 30.0)), 8.5), layout="constrained")
+    fig = Figure(figsize=figsize, layout="constrained")
     FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}", "--plot", "Give a writable path") from None
+    return path
+
+
+def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
+    """Per-layer abs-max of activations and gradients for each precision, log axis, fp16/bf16 limits."""
+    modules = [row.module for row in cmp.layers]
+    fig = _figure(Path(path), (max(8.0, min(0.28 * len(modules) + 4, 30.0)), 8.5))
     axes = fig.subplots(2, 1, sharex=True)
     limits = [(torch.finfo(torch.float16).max, "fp16 max", "tab:red", "--"),
               (torch.finfo(torch.float16).tiny, "fp16 smallest normal", "tab:red", ":"),
@@ -78,31 +89,18 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
     axes[1].set_xticks(range(len(modules)), modules, rotation=90, fontsize=6 if len(modules) > 30 else 7)
     fig.suptitle(f"nanprobe compare-precisions: {cmp.entry} step {cmp.step} (reference {cmp.reference})",
                  fontsize=10)
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}", "--plot", "Give a writable path") from None
-    return path
+    return _save(fig, Path(path))
 
 
 def plot_trajectory(trajectory: dict, path: str | Path, *, title: str = "") -> Path:
     """The precursor monitor's series (``Report.trajectory``): attention logits, entropy, log Z and the
     loss against the step, log axes where they grow, the onset and any warning marked."""
-    path = Path(path)
-    if path.suffix.lower() not in _PLOT_SUFFIXES:
-        raise UsageError(f"cannot write a plot to {path}", "--plot",
-                         f"Give a file ending in {', '.join(_PLOT_SUFFIXES)}")
-    require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     series = trajectory.get("series", {})
     panels = [("max_logit", "largest attention logit", True), ("max_product", "largest q.k product", True),
               ("entropy", "attention entropy (nats)", False), ("logsumexp", "output log Z", False),
               ("grad_norm", "gradient norm per layer", True), ("loss", "loss", False)]
     panels = [p for p in panels if any(k.endswith("/" + p[0]) for k in series)]
-    fig = Figure(figsize=(10, 2.6 * max(len(panels), 1)), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _figure(Path(path), (10, 2.6 * max(len(panels), 1)))
     axes = fig.subplots(max(len(panels), 1), 1, sharex=True, squeeze=False)[:, 0]
     onset = trajectory.get("onset")
     for ax, (stat, label, log) in zip(axes, panels):
@@ -124,8 +122,4 @@ def plot_trajectory(trajectory: dict, path: str | Path, *, title: str = "") -> P
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes[-1].set_xlabel("step")
     fig.suptitle(title or "nanprobe trajectory", fontsize=10)
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}", "--plot", "Give a writable path") from None
-    return path
+    return _save(fig, Path(path))

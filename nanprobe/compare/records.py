@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..base.version import __version__
@@ -117,14 +117,8 @@ class LayerStat:
         values = [v for v in (self.out_underflow, self.grad_underflow) if v is not None]
         return max(values) if values else None
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: (_num(v) if isinstance(v, float) else v) for k, v in (
-            ("dtype", self.dtype), ("out_absmax", self.out_absmax), ("out_finite", self.out_finite),
-            ("out_rel_err", self.out_rel_err), ("out_underflow", self.out_underflow),
-            ("grad_absmax", self.grad_absmax), ("grad_finite", self.grad_finite),
-            ("grad_underflow", self.grad_underflow), ("param_grad_rel_err", self.param_grad_rel_err),
-            ("out_headroom_bits", self.out_headroom_bits), ("grad_headroom_bits", self.grad_headroom_bits),
-            ("out_would_reach", self.out_would_reach), ("grad_would_reach", self.grad_would_reach))}
+    def to_json(self) -> dict[str, Any]:   # every field, in declaration order
+        return {f.name: (_num(v) if isinstance(v := getattr(self, f.name), float) else v) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,9 +46,9 @@ class _Comparer:
 
     def _step(self, name: str, *, scale: float | None = None, **kwargs):
         prec, scaler = _RUNS[name]
+        kwargs = {"update": self.update, "emulate_fp16": self.emulate, **kwargs}
         return run_step(self.target, self.reached, prec, where=self.loaded.where, grad_scaler=scaler,
-                        scale=scale if scaler else None, restore_after=False, update=self.update,
-                        emulate_fp16=self.emulate, **kwargs)
+                        scale=scale if scaler else None, restore_after=False, **kwargs)
 
     def run(self, name: str, *, reference: bool, tolerate: bool, scale: float | None = None) -> _Run:
         prec, scaler = _RUNS[name]
@@ -99,15 +99,14 @@ class _Comparer:
         if event.phase is Phase.BACKWARD:  # the OriginTracker's probe names backward ops by autograd node
             probe = Probe(phase=event.phase, module=event.module, op=event.op, occurrence=event.occurrence,
                           node=event.node)
-            run_step(self.target, self.reached, _RUNS[ref_name][0], where=self.loaded.where, instrument=True,
-                     probe=probe, tolerate_errors=True, restore_after=False, update=False, ratios=False,
-                     phases=frozenset({Phase.FORWARD, Phase.BACKWARD}))
+            self._step(ref_name, instrument=True, probe=probe, tolerate_errors=True, update=False, ratios=False,
+                       phases=frozenset({Phase.FORWARD, Phase.BACKWARD}))
             return _OriginProbe(would_reach=probe.out_absmax * run.scale, zeros=None, underflow=None) \
                 if probe.found and probe.out_absmax is not None else None
         ref = self._op_inputs(ref_name, None, event)
         if ref.inputs is None:
             return None
-        here = self._op_inputs(name, run.scale if _RUNS[name][1] else None, event)
+        here = self._op_inputs(name, run.scale, event)
         if here.inputs is None:
             return _OriginProbe(would_reach=ref.out_absmax, zeros=None, underflow=None)
         return _input_underflow(here, ref)
@@ -116,9 +115,8 @@ class _Comparer:
         probe = _OpProbe(self.target.model, event.module, event.op, event.occurrence)
         emulate = self.emulate and _RUNS[name][0] is Precision.FP16
         with (emulate_fp16_matmuls() if emulate else contextlib.nullcontext()), probe:   # emulation outermost
-            run_step(self.target, self.reached, _RUNS[name][0], where=self.loaded.where, grad_scaler=_RUNS[name][1],
-                     scale=scale if _RUNS[name][1] else None, restore_after=False, update=self.update,
-                     instrument=False, tolerate_errors=True, observe=probe.observe)
+            self._step(name, scale=scale, emulate_fp16=False, instrument=False, tolerate_errors=True,
+                       observe=probe.observe)
         return probe
 
 
@@ -187,13 +185,12 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
     else:
         try:
             run = cmp.run("fp64", reference=True, tolerate=True)
+            if run.trace.error:
+                skipped["fp64"] = f"fp64 rerun failed: {run.trace.error}"
+            else:
+                runs["fp64"] = run
         except torch.OutOfMemoryError:
-            run = None
             skipped["fp64"] = "float64 copy of the model does not fit in memory"
-        if run is not None and run.trace.error:
-            skipped["fp64"] = f"fp64 rerun failed: {run.trace.error}"
-        elif run is not None:
-            runs["fp64"] = run
     if "fp64" in skipped:
         ref_name = "fp32"
         cmp.store = _Store(budget=cmp.store.budget, storage=cmp.store.storage)
@@ -322,13 +319,11 @@ def _results(runs: dict[str, _Run], skipped: dict[str, str], names: tuple[str, .
                 cos = 1.0
         act_bits = _bits(_dtype_max(acts[2]), acts[0])
         grad_bits = _bits(_dtype_max(grads[2]), grads[0])
-        if would is not None and e is not None:
-            limit = _dtype_max(e.out_dtype)
-            bits = _bits(limit, would)
-            if e.phase is Phase.FORWARD and (act_bits is None or (bits is not None and bits < act_bits)):
-                act_bits = bits
-            if e.phase is Phase.BACKWARD and (grad_bits is None or (bits is not None and bits < grad_bits)):
-                grad_bits = bits
+        bits = _bits(_dtype_max(e.out_dtype), would) if would is not None and e is not None else None
+        if bits is not None and e.phase is Phase.FORWARD and (act_bits is None or bits < act_bits):
+            act_bits = bits
+        if bits is not None and e.phase is Phase.BACKWARD and (grad_bits is None or bits < grad_bits):
+            grad_bits = bits
         out[name] = PrecisionRun(
             name=name, ran=True, reference=name == ref_name, dtype=dtype, loss=run.loss,
             loss_rel_err=0.0 if name == ref_name else loss_err, grad_norm=rec.grad_norm, grad_cosine=cos,
@@ -371,29 +366,24 @@ def _layers(runs: dict[str, _Run], ref_name: str, results: dict[str, PrecisionRu
             aggs = run.measured.modules.get(module) if run.measured is not None else None
             if not aggs:
                 continue
-            out, grad, param = aggs.get("out"), aggs.get("grad"), aggs.get("param")
-            dtype = out.dtype if out else None
-            out_would = grad_would = None
-            if out is not None and out.nonfinite and ref_aggs.get("out") is not None:
-                out_would = ref_aggs["out"].absmax            # what the output reaches in the reference
-            if grad is not None and grad.nonfinite and ref_aggs.get("grad") is not None:
-                grad_would = ref_aggs["grad"].absmax * run.scale
             r = results.get(name)
-            if r is not None and r.origin is not None and r.origin.module == module and r.would_reach is not None:
-                if r.origin.phase is Phase.BACKWARD:          # the origin op itself, probed in the reference
-                    grad_would = max(grad_would or 0.0, r.would_reach)
-                else:
-                    out_would = max(out_would or 0.0, r.would_reach)
-            grad_dtype = grad.dtype if grad else None
-            if r is not None and r.origin is not None and r.origin.module == module and r.dtype in ("float16",
-                                                                                                  "bfloat16"):
-                if r.origin.phase is Phase.BACKWARD:
-                    grad_dtype = r.dtype
-                else:
-                    dtype = dtype if dtype in ("float16", "bfloat16") else r.dtype
-            out_bits = _bits(_dtype_max(dtype), out_would if out_would is not None else out.absmax if out else None)
-            grad_bits = _bits(_dtype_max(grad_dtype),
-                              grad_would if grad_would is not None else grad.absmax if grad else None)
+            origin = r.origin if r is not None and r.origin is not None and r.origin.module == module else None
+            side: dict[str, tuple] = {}   # kind -> (aggregate, dtype judged in, what it would reach, headroom bits)
+            for kind in ("out", "grad"):
+                agg, ref = aggs.get(kind), ref_aggs.get(kind)
+                dtype = agg.dtype if agg else None
+                would = None
+                if agg is not None and agg.nonfinite and ref is not None:   # what it reaches in the reference
+                    would = ref.absmax * (run.scale if kind == "grad" else 1.0)
+                if origin is not None and (origin.phase is Phase.BACKWARD) == (kind == "grad"):
+                    if r.would_reach is not None:   # the origin op itself, probed in the reference
+                        would = max(would or 0.0, r.would_reach)
+                    if r.dtype in ("float16", "bfloat16") and (kind == "grad" or dtype not in ("float16", "bfloat16")):
+                        dtype = r.dtype
+                side[kind] = (agg, dtype, would,
+                              _bits(_dtype_max(dtype), would if would is not None else agg.absmax if agg else None))
+            (out, dtype, out_would, out_bits), (grad, _, grad_would, grad_bits) = side["out"], side["grad"]
+            param = aggs.get("param")
             pg = None
             if param is not None and name != ref_name and param.ref2 >= 1e-12 * total_ref2:
                 pg = param.rel_err  # modules with a negligible reference gradient carry no signal: left out
