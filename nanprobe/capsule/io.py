@@ -1,9 +1,6 @@
 """Capsule files: build the dict, write it atomically under a unique name, read and check it.
 
-Format 2 holds every micro-batch of the step and the RNG state after each fetch (gradient
-accumulation), every optimizer, scheduler and GradScaler (several optimizers, a ``step_fn``), the
-step's position in the data, and the state the step carries between calls (module attributes,
-closure variables). Format 1 capsules (one batch, one optimizer) still load.
+Format 2 is what the package docstring lists; format 1 capsules (one batch, one optimizer) still load.
 """
 
 from __future__ import annotations

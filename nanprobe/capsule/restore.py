@@ -64,20 +64,17 @@ def optimizer_state_damage(opt: torch.optim.Optimizer) -> str | None:
     names = {id(p): f"param_groups[{g}][{i}]" for g, group in enumerate(opt.param_groups)
              for i, p in enumerate(group["params"])}
     for p, state in opt.state.items():
+        who = names.get(id(p), "a parameter")
         if not isinstance(state, Mapping):
-            return f"state of {names.get(id(p), 'a parameter')} is a {type(state).__name__}, not a dict"
+            return f"state of {who} is a {type(state).__name__}, not a dict"
         for key, value in state.items():
-            if key == "step":
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) or \
-                    isinstance(value, torch.Tensor) and value.numel() == 1
-                if not ok:
-                    return f"'step' of {names.get(id(p), 'a parameter')} is not a number"
-            elif key in _PARAM_SHAPED:
-                if not isinstance(value, torch.Tensor):
-                    return f"{key!r} of {names.get(id(p), 'a parameter')} is a {type(value).__name__}, not a tensor"
-                if value.shape != p.shape:
-                    return (f"{key!r} of {names.get(id(p), 'a parameter')} has shape {tuple(value.shape)}, the "
-                            f"parameter {tuple(p.shape)}")
+            if key == "step" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      or isinstance(value, torch.Tensor) and value.numel() == 1):
+                return f"'step' of {who} is not a number"
+            if key in _PARAM_SHAPED and not isinstance(value, torch.Tensor):
+                return f"{key!r} of {who} is a {type(value).__name__}, not a tensor"
+            if key in _PARAM_SHAPED and value.shape != p.shape:
+                return f"{key!r} of {who} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
     return None
 
 

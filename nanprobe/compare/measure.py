@@ -220,7 +220,6 @@ class _Capture:
         self._measured.update(name for name, _ in named)
         grads = [g for _, g in named]
         norms = torch._foreach_norm(grads)                       # fused: |g| of every gradient
-        infs = [_absmax(g) if g.device.type == "cpu" else None for g in grads]   # max |g| (read on CPU only)
         tiny = torch.finfo(self.low).tiny
         low = self.low in (torch.float16, torch.bfloat16)
         store = self.store
@@ -233,12 +232,9 @@ class _Capture:
             slots = store.grad_store.put_all([g.float() if g.dtype != torch.float32 else g for g in grads])
             store.grads.update({name: slot for (name, _), slot in zip(named, slots)})
         scratch: dict[tuple, torch.Tensor] = {}
-        for (name, g), n2, inf in zip(named, norms, infs):
+        for (name, g), n2 in zip(named, norms):
             module = name.rpartition(".")[0] or ROOT
-            if inf is not None and math.isfinite(float(inf)):
-                absmax, nonfinite = inf.double(), nought
-            else:
-                absmax, nonfinite = self._stats(g)
+            absmax, nonfinite = self._stats(g)
             if self.reference:
                 r2 = n2.double().square()
                 row = [absmax, nonfinite, nought, r2, nought, nought, r2, r2]

@@ -109,13 +109,11 @@ class LayerStat:
 
     @property
     def headroom_bits(self) -> float | None:
-        values = [v for v in (self.out_headroom_bits, self.grad_headroom_bits) if v is not None]
-        return min(values) if values else None
+        return min((v for v in (self.out_headroom_bits, self.grad_headroom_bits) if v is not None), default=None)
 
     @property
     def underflow(self) -> float | None:
-        values = [v for v in (self.out_underflow, self.grad_underflow) if v is not None]
-        return max(values) if values else None
+        return max((v for v in (self.out_underflow, self.grad_underflow) if v is not None), default=None)
 
     def to_json(self) -> dict[str, Any]:   # every field, in declaration order
         return {f.name: (_num(v) if isinstance(v := getattr(self, f.name), float) else v) for f in fields(self)}
@@ -177,9 +175,8 @@ class PrecisionRun:
     @property
     def underflow(self) -> float | None:
         """The largest of the underflow shares."""
-        values = [v for v in (self.underflow_grads, self.underflow_act_grads, self.underflow_acts,
-                              self.underflow_origin) if v is not None]
-        return max(values) if values else None
+        return max((v for v in (self.underflow_grads, self.underflow_act_grads, self.underflow_acts,
+                                self.underflow_origin) if v is not None), default=None)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ran": self.ran, "reference": self.reference, "dtype": self.dtype}
