@@ -165,15 +165,20 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(value: str | None, error: str | None) -> str:
-    """Rank 0's ``value`` on every rank (one broadcast); rank 0's ``error`` raises OSError on every rank."""
+def _on_rank0(fn: Any) -> Path:
+    """``fn()`` (a path) run on rank 0, on every rank (one broadcast); its OSError raises on every rank."""
     dist = torch.distributed
-    box = [error if error is not None else value] if dist.get_rank() == 0 else [None]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [str(fn())]
+        except OSError as exc:
+            box = [f"error: {exc.strerror or exc}"]
     dist.broadcast_object_list(box, src=0)
     text = str(box[0])
     if text.startswith("error: "):
         raise OSError(text[len("error: "):])
-    return text
+    return Path(text)
 
 
 def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Module,
@@ -188,15 +193,14 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
     rank = dist.get_rank()
     folder = Path(folder)
     step = int(data["step"])
-    tmp = err = None
-    if rank == 0:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".tmp-step{step:07d}-{os.getpid()}-{random.SystemRandom().getrandbits(48):012x}"
-            tmp.mkdir()
-        except OSError as exc:
-            err = f"error: {exc.strerror or exc}"
-    tmp = Path(_agree(None if tmp is None else str(tmp), err))
+
+    def new_tmp() -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".tmp-step{step:07d}-{os.getpid()}-{random.SystemRandom().getrandbits(48):012x}"
+        tmp.mkdir()
+        return tmp
+
+    tmp = _on_rank0(new_tmp)
     dropped = list(data.get("dropped") or [])
     try:
         state, metas = _state(model, optimizers, dropped)
@@ -233,14 +237,8 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         if rank == 0:
             remove(tmp)
         raise OSError("a rank could not write its file of the capsule")
-    final = err = None
-    if rank == 0:
-        try:
-            final = str(publish(tmp, lambda attempt: folder / (
-                capsule_name(step, 0, attempt).replace("-rank0-", "-").removesuffix(SUFFIX) + DIR_SUFFIX), link=False))
-        except OSError as exc:
-            err = f"error: {exc.strerror or exc}"
-    return Path(_agree(final, err))
+    return _on_rank0(lambda: publish(tmp, lambda attempt: folder / (
+        capsule_name(step, 0, attempt).replace("-rank0-", "-").removesuffix(SUFFIX) + DIR_SUFFIX), link=False))
 
 
 def list_dirs(folder: str | os.PathLike, step: int) -> list[Path]:
