@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..base.precision import Precision
-from ..locate.rerun import _fp32_island, _scaler_for
+from ..base.precision import Precision, device_of
+from ..locate.rerun import _scaler_for
 from ..reach.step import RunOptions
 
 
@@ -93,8 +93,11 @@ class Remedy:
         without it)."""
         added: list[torch.Tensor] = []
         with contextlib.ExitStack() as stack:
-            if self.fp32_modules:
-                stack.enter_context(_fp32_island(target.model, self.fp32_modules))
+            if self.fp32_modules:   # autocast off, float32 inputs
+                device_type = device_of(target.model).type
+                stack.enter_context(_around(
+                    target.model, self.fp32_modules, lambda: torch.autocast(device_type, enabled=False),
+                    cast=lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t))
             if self.qk_norm:
                 stack.enter_context(_qk_norm(target.model, self.qk_norm))
             if self.z_loss is not None:
@@ -151,27 +154,35 @@ class _QKNormMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _qk_norm(model: torch.nn.Module, names: tuple[str, ...]):
-    modes: list[_QKNormMode] = []
+def _around(model: torch.nn.Module, names: tuple[str, ...], make: Callable[[], Any],
+            cast: Callable[[Any], Any] | None = None):
+    """Each call of the named modules runs inside a fresh ``make()`` context (autocast off for an fp32
+    island, the qk-norm mode), with ``cast`` applied to its arguments."""
+    entered: list[Any] = []
 
-    def pre(mod, args):
-        mode = _QKNormMode()
-        mode.__enter__()
-        modes.append(mode)
+    def pre(mod, args, kwargs):
+        ctx = make()
+        ctx.__enter__()
+        entered.append(ctx)
+        return (tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}) if cast is not None else None
 
-    def post(mod, args, out):
-        modes.pop().__exit__(None, None, None)
+    def post(mod, args, kwargs, out):
+        entered.pop().__exit__(None, None, None)
 
     handles = []
     for name, module in model.named_modules():
         if name in names:
-            handles += [module.register_forward_pre_hook(pre),
-                        module.register_forward_hook(post, always_call=True)]
+            handles += [module.register_forward_pre_hook(pre, with_kwargs=True),
+                        module.register_forward_hook(post, with_kwargs=True, always_call=True)]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+
+
+def _qk_norm(model: torch.nn.Module, names: tuple[str, ...]):
+    return _around(model, names, _QKNormMode)
 
 
 @contextlib.contextmanager

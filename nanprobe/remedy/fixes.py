@@ -42,34 +42,38 @@ CATALOG: dict[Cause, list[Template]] = {c: [] for c in Cause}
 MECHANISMS: dict[Mechanism, list[Template]] = {m: [] for m in Mechanism}
 
 
-def fix_for(*causes: Cause, verify: RemedyFn | None = None):
+def fix_for(*keys: Cause | Mechanism, verify: RemedyFn | None = None):
+    """Register a template for causes and mechanisms (in registration order: the order they rank in)."""
     def deco(fn: Callable[[Finding, Evidence], Fix | None]):
-        for c in causes:
-            CATALOG[c].append(Template(fn, verify))
+        for k in keys:
+            (MECHANISMS if isinstance(k, Mechanism) else CATALOG)[k].append(Template(fn, verify))
         return fn
     return deco
 
 
-def fix_for_mechanism(*mechanisms: Mechanism, verify: RemedyFn | None = None):
-    def deco(fn: Callable[[Finding, Evidence], Fix | None]):
-        for m in mechanisms:
-            MECHANISMS[m].append(Template(fn, verify))
-        return fn
-    return deco
+def _static(*causes: Cause, when: Callable[[Finding, Evidence], bool], title: str, code: str, why: str,
+            src: bool = False) -> None:
+    """Register a fix of fixed text for the findings ``when`` picks (``src``: the origin's line after the code)."""
+    fix_for(*causes)(lambda f, ev: Fix(title=title.format(mod=_mod(f)), code=code + (_src(ev) if src else ""),
+                                       why=why) if when(f, ev) else None)
+
+
+def _kind_is(kind: str) -> Callable[[Finding, Evidence], bool]:
+    return lambda f, ev: _kind(ev) == kind
+
+
+def _op_in(*ops: str) -> Callable[[Finding, Evidence], bool]:
+    return lambda f, ev: ev.origin is not None and op_base(ev.origin.op) in ops
 
 
 def _mod(f: Finding) -> str:
     return f.module if f.module not in (None, "", LOSS_FN) else "model"
 
 
-def _attr(f: Finding) -> str:
+def _attr(name: str | None) -> str:
     """Python expression for the module: model.blocks[1].attn."""
-    if not f.module or f.module == LOSS_FN:
-        return "model"
-    out = "model"
-    for part in f.module.split("."):
-        out += f"[{part}]" if part.isdigit() else f".{part}"
-    return out
+    parts = name.split(".") if name and name != LOSS_FN else []
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
 
 
 def _src(ev: Evidence) -> str:
@@ -129,15 +133,14 @@ def _same_class(ev: Evidence, name: str | None) -> tuple[str, ...]:
     return tuple(n for n, m in ev.target.model.named_modules() if type(m) is type(module))
 
 
-@fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH,
-                   verify=lambda f, ev: Remedy(qk_norm=_same_class(ev, f.module)) if _same_class(ev, f.module)
-                   else None)
+@fix_for(Mechanism.ATTENTION_LOGIT_GROWTH,
+         verify=lambda f, ev: Remedy(qk_norm=_same_class(ev, f.module)) if _same_class(ev, f.module) else None)
 def _qk_layernorm(f: Finding, ev: Evidence) -> Fix | None:
     module = _module_of(ev, f.module)
     cls = type(module).__name__ if module is not None else "your attention module"
     fwd, line = _forward_at(module)
     head = getattr(module, "head_dim", None) or "head_dim"
-    code = (f"# in {cls} ({_attr(f)}{f', forward at {fwd}' if fwd else ''}): LayerNorm on q and k\n"
+    code = (f"# in {cls} ({_attr(f.module)}{f', forward at {fwd}' if fwd else ''}): LayerNorm on q and k\n"
             f"# in __init__:\nself.q_norm = nn.LayerNorm({head})\nself.k_norm = nn.LayerNorm({head})\n"
             f"# in forward, after q and k are split into heads, before the scores:\n"
             f"q, k = self.q_norm(q), self.k_norm(k)\n"
@@ -149,9 +152,8 @@ def _qk_layernorm(f: Finding, ev: Evidence) -> Fix | None:
                    "bound the logits whatever the weights do (Dehghani et al. 2023, Wortsman et al. 2023)")
 
 
-@fix_for_mechanism(Mechanism.OUTPUT_LOGIT_DIVERGENCE,
-                   verify=lambda f, ev: Remedy(z_loss=(f.module, 1e-4)) if _module_of(ev, f.module) is not None
-                   else None)
+@fix_for(Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+         verify=lambda f, ev: Remedy(z_loss=(f.module, 1e-4)) if _module_of(ev, f.module) is not None else None)
 def _z_loss(f: Finding, ev: Evidence) -> Fix | None:
     name = _mod(f)
     return Fix(title=f"Add z-loss on the logits of {name} (1e-4 * logsumexp^2)",
@@ -164,18 +166,11 @@ def _z_loss(f: Finding, ev: Evidence) -> Fix | None:
                    "Wortsman et al. 2023)")
 
 
-def _adam_group(ev: Evidence) -> dict[str, Any] | None:
-    opts = ev.target.optimizers
-    if not opts or not opts[0][1].param_groups:
-        return None
-    g = opts[0][1].param_groups[0]
-    return g if "betas" in g and "eps" in g else None
-
-
 def _adam_change(ev: Evidence, key: str) -> tuple[Any, Any] | None:
     """(was, new) of the group key an Adam-second-moment fix changes; None where it is already safe."""
-    g = _adam_group(ev)
-    if g is None:
+    opts = ev.target.optimizers
+    g = opts[0][1].param_groups[0] if opts and opts[0][1].param_groups else {}
+    if "betas" not in g or "eps" not in g:
         return None
     if key == "betas":
         return (tuple(g["betas"]), (g["betas"][0], 0.95)) if g["betas"][1] > 0.95 else None
@@ -199,14 +194,14 @@ def _adam_fix(ev: Evidence, key: str, title: str, why: str) -> Fix | None:
                     f"  # was {key}={was!r}", why=why)
 
 
-@fix_for_mechanism(Mechanism.ADAM_SECOND_MOMENT, verify=_adam_remedy("betas"))
+@fix_for(Mechanism.ADAM_SECOND_MOMENT, verify=_adam_remedy("betas"))
 def _adam_beta2(f: Finding, ev: Evidence) -> Fix | None:
     return _adam_fix(ev, "betas", "Lower {opt}'s beta2 to 0.95 (betas are {was})",
                      "with a slow second moment v lags behind a gradient that grows again after a quiet stretch: "
                      "m / sqrt(v) becomes huge; beta2 0.95 lets v follow the gradient")
 
 
-@fix_for_mechanism(Mechanism.ADAM_SECOND_MOMENT, verify=_adam_remedy("eps"))
+@fix_for(Mechanism.ADAM_SECOND_MOMENT, verify=_adam_remedy("eps"))
 def _adam_eps(f: Finding, ev: Evidence) -> Fix | None:
     return _adam_fix(ev, "eps", "Raise {opt}'s eps to 1e-6 (it is {was:g})",
                      "where the gradient's RMS falls toward eps, sqrt(v) no longer bounds the update m / (sqrt(v) + "
@@ -226,9 +221,9 @@ def ascent(f: Finding) -> bool:
     return f.mechanism is Mechanism.LR_SCHEDULE and any("climbs the gradient" in e for e in f.evidence)
 
 
-@fix_for_mechanism(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
-                   Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
-                   verify=lambda f, ev: None if ascent(f) else Remedy(lr_scale=LOWER_LR))
+@fix_for(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+         Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
+         verify=lambda f, ev: None if ascent(f) else Remedy(lr_scale=LOWER_LR))
 def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
     if ascent(f):
         return None
@@ -244,8 +239,8 @@ def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
                    "the logits and activations grow with it; a lower peak keeps them in range")
 
 
-@fix_for_mechanism(Mechanism.LR_SCHEDULE, verify=lambda f, ev: None if ascent(f) else
-                   Remedy(warmup=2 * max(ev.reached.step, 1)))
+@fix_for(Mechanism.LR_SCHEDULE, verify=lambda f, ev: None if ascent(f) else
+         Remedy(warmup=2 * max(ev.reached.step, 1)))
 def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
     if ascent(f):
         return None
@@ -258,7 +253,7 @@ def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
                    "warmup lets the weights and Adam's moments settle before the full step size")
 
 
-@fix_for_mechanism(Mechanism.LR_SCHEDULE)
+@fix_for(Mechanism.LR_SCHEDULE)
 def _applied_lr(f: Finding, ev: Evidence) -> Fix | None:
     if not ascent(f):
         return None
@@ -273,18 +268,16 @@ def _applied_lr(f: Finding, ev: Evidence) -> Fix | None:
                    "a lower or warmed-up LR only makes the ascent slower")
 
 
-def _decay_remedy(f: Finding, ev: Evidence) -> Remedy | None:
+def _wd(ev: Evidence) -> float:
     opts = ev.target.optimizers
-    if not opts or type(opts[0][1]).__name__ != "AdamW":
-        return None
-    return Remedy(param_overrides=(("weight_decay", 0.1),)) \
-        if opts[0][1].param_groups[0].get("weight_decay", 0) < 0.1 else None
+    return opts[0][1].param_groups[0].get("weight_decay", 0) if opts and opts[0][1].param_groups else 0
 
 
-@fix_for_mechanism(Mechanism.OUTPUT_LOGIT_DIVERGENCE, Mechanism.ACTIVATION_GROWTH, verify=_decay_remedy)
+@fix_for(Mechanism.OUTPUT_LOGIT_DIVERGENCE, Mechanism.ACTIVATION_GROWTH,
+         verify=lambda f, ev: Remedy(param_overrides=(("weight_decay", 0.1),))
+         if ev.target.optimizers and _opt_name(ev) == "AdamW" and _wd(ev) < 0.1 else None)
 def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
-    opts = ev.target.optimizers
-    wd = opts[0][1].param_groups[0].get("weight_decay", 0) if opts and opts[0][1].param_groups else 0
+    wd = _wd(ev)
     if wd >= 0.1:
         return None
     return Fix(title="Use decoupled weight decay 0.1 (AdamW)",
@@ -294,119 +287,89 @@ def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
                    "produce cannot grow without bound")
 
 
-@fix_for_mechanism(Mechanism.LOSS_SCALE_COLLAPSE, verify=lambda f, ev: Remedy(precision=Precision.BF16)
-                   if ev.reached.precision is Precision.FP16 else None)
+@fix_for(Mechanism.LOSS_SCALE_COLLAPSE, verify=lambda f, ev: Remedy(precision=Precision.BF16)
+         if ev.reached.precision is Precision.FP16 else None)
 def _loss_scale_bf16(f: Finding, ev: Evidence) -> Fix | None:
     return _bf16(f, ev)
 
 
 # -- op and error semantics (first: the specific fix before the generic ones) ----------------------
-@fix_for(Cause.DATA)
-def _ctc(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "ctc_no_alignment":
-        return None
-    return Fix(title="Drop (or zero) the CTC samples that have no valid alignment",
-               code="# a target needs input_length >= target_length + (number of repeated neighbours)\n"
-                    "loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, zero_infinity=True)\n"
-                    "# better, in the dataset: skip utterances whose transcript is too long for the audio\n"
-                    "repeats = (targets[:, 1:] == targets[:, :-1]).sum(1)   # (count within target_lengths if padded)\n"
-                    "keep = input_lengths >= target_lengths + repeats" + _src(ev),
-               why="an impossible alignment has probability 0: -log 0 = inf and its gradient is NaN; "
-                   "zero_infinity=True gives those samples loss 0 and gradient 0")
+_static(Cause.DATA, when=_kind_is("ctc_no_alignment"), src=True,
+        title="Drop (or zero) the CTC samples that have no valid alignment",
+        code="# a target needs input_length >= target_length + (number of repeated neighbours)\n"
+             "loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, zero_infinity=True)\n"
+             "# better, in the dataset: skip utterances whose transcript is too long for the audio\n"
+             "repeats = (targets[:, 1:] == targets[:, :-1]).sum(1)   # (count within target_lengths if padded)\n"
+             "keep = input_lengths >= target_lengths + repeats",
+        why="an impossible alignment has probability 0: -log 0 = inf and its gradient is NaN; "
+            "zero_infinity=True gives those samples loss 0 and gradient 0")
 
+_static(Cause.DATA, when=_kind_is("empty_set"), src=True,
+        title="Leave rows that have nothing to reduce over out of the loss",
+        code="has_any = mask.any(dim=-1)                 # rows with at least one candidate\n"
+             "scores = scores.masked_fill(~mask, float('-inf'))\n"
+             "lse = torch.logsumexp(scores[has_any], dim=-1)  # (or log_softmax / softmax) on those rows only\n"
+             "# and make the sampler put >= 1 positive per anchor (e.g. 2+ samples per class)",
+        why="-inf in some entries is an intended mask; -inf in every entry of a row is an empty set whose "
+            "log-sum is -inf (softmax 0/0): drop such rows before the reduction, not after")
 
-@fix_for(Cause.DATA)
-def _empty_set(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "empty_set":
-        return None
-    return Fix(title="Leave rows that have nothing to reduce over out of the loss",
-               code="has_any = mask.any(dim=-1)                 # rows with at least one candidate\n"
-                    "scores = scores.masked_fill(~mask, float('-inf'))\n"
-                    "lse = torch.logsumexp(scores[has_any], dim=-1)  # (or log_softmax / softmax) on those rows only\n"
-                    "# and make the sampler put >= 1 positive per anchor (e.g. 2+ samples per class)" + _src(ev),
-               why="-inf in some entries is an intended mask; -inf in every entry of a row is an empty set whose "
-                   "log-sum is -inf (softmax 0/0): drop such rows before the reduction, not after")
+_static(Cause.DOMAIN, when=_kind_is("kl_div_zero_probability"), src=True,
+        title="Give kl_div a probability target (>= 0), or log-probabilities with log_target=True",
+        code="loss = F.kl_div(F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1),\n"
+             "                log_target=True, reduction='batchmean')",
+        why="kl_div computes target * log(target); a negative target is not a probability")
 
+_static(Cause.DATA, when=_kind_is("kl_div_zero_probability"), src=True,
+        title="Keep zero probabilities finite in kl_div (clamp -inf log-probabilities)",
+        code="teacher_logp = teacher_logp.clamp_min(torch.finfo(teacher_logp.dtype).min)\n"
+             "loss = F.kl_div(student_logp, teacher_logp, log_target=True, reduction='batchmean')\n"
+             "# or with probabilities: F.kl_div(student_logp, teacher_logp.exp(), reduction='batchmean')\n"
+             "# (xlogy gives 0 * log 0 = 0)",
+        why="a zero probability contributes 0 to KL, but exp(-inf) * (-inf - x) is 0 * inf = NaN")
 
-@fix_for(Cause.DATA, Cause.DOMAIN)
-def _kl(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "kl_div_zero_probability":
-        return None
-    if f.cause is Cause.DOMAIN:
-        return Fix(title="Give kl_div a probability target (>= 0), or log-probabilities with log_target=True",
-                   code="loss = F.kl_div(F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1),\n"
-                        "                log_target=True, reduction='batchmean')" + _src(ev),
-                   why="kl_div computes target * log(target); a negative target is not a probability")
-    return Fix(title="Keep zero probabilities finite in kl_div (clamp -inf log-probabilities)",
-               code="teacher_logp = teacher_logp.clamp_min(torch.finfo(teacher_logp.dtype).min)\n"
-                    "loss = F.kl_div(student_logp, teacher_logp, log_target=True, reduction='batchmean')\n"
-                    "# or with probabilities: F.kl_div(student_logp, teacher_logp.exp(), reduction='batchmean')\n"
-                    "# (xlogy gives 0 * log 0 = 0)" + _src(ev),
-               why="a zero probability contributes 0 to KL, but exp(-inf) * (-inf - x) is 0 * inf = NaN")
+_static(Cause.DATA, when=_kind_is("embedding_index"),
+        title="Resize the embedding to the tokenizer (or map the ids the table does not have)",
+        code="model.resize_token_embeddings(len(tokenizer))   # transformers models\n"
+             "# or: grow the table by hand, keeping the trained rows\n"
+             "old = model.embed\n"
+             "model.embed = nn.Embedding(len(tokenizer), old.embedding_dim)\n"
+             "model.embed.weight.data[:old.num_embeddings] = old.weight.data",
+        why="an id >= num_embeddings has no row; adding special tokens to the tokenizer does not add rows")
 
+_static(Cause.DIV, Cause.DATA, when=_kind_is("unbiased_over_one"), src=True,
+        title="Never reduce std/var over a single sample: drop the short batch or use correction=0",
+        code="loader = DataLoader(dataset, batch_size=16, shuffle=True, drop_last=True)  # no batch of one\n"
+             "# or, where a batch (or group) of one can occur:\n"
+             "std = x.std(dim=0, correction=0)   # population std: 0 for one sample, not 0/0",
+        why="the unbiased estimator divides by N - 1: over one sample that is 0/0 = NaN, and an eps added "
+            "after std does not reach it")
 
-@fix_for(Cause.DATA)
-def _embedding(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "embedding_index":
-        return None
-    return Fix(title="Resize the embedding to the tokenizer (or map the ids the table does not have)",
-               code="model.resize_token_embeddings(len(tokenizer))   # transformers models\n"
-                    "# or: grow the table by hand, keeping the trained rows\n"
-                    "old = model.embed\n"
-                    "model.embed = nn.Embedding(len(tokenizer), old.embedding_dim)\n"
-                    "model.embed.weight.data[:old.num_embeddings] = old.weight.data",
-               why="an id >= num_embeddings has no row; adding special tokens to the tokenizer does not add rows")
+_static(Cause.OVERFLOW, Cause.DIV, when=_kind_is("normalization"), src=True,
+        title="Find the extreme value that reaches {mod} (a larger eps cannot help)",
+        code="# weights (e.g. embedding rows) whose square overflows float32 (|x| > 1.8e19)\n"
+             "for name, p in model.named_parameters():\n"
+             "    rows = (p.detach().abs() > 1e19).reshape(p.shape[0], -1).any(1).nonzero().flatten()\n"
+             "    if len(rows):\n"
+             "        print(name, rows[:10].tolist())\n"
+             "# e.g. re-initialise such embedding rows from the trained ones:\n"
+             "# emb.weight.data[rows] = emb.weight.data[good].mean(0)",
+        why="the normalization squares its inputs for the variance: a value beyond ~1.8e19 makes it inf and "
+            "the output NaN whatever eps is; the value itself (a corrupt row, a feature far out of range) is "
+            "the bug")
 
+_static(Cause.DOMAIN, when=_kind_is("bce_outside_unit_interval"),
+        title="Use binary_cross_entropy_with_logits on the raw scores",
+        code="loss = F.binary_cross_entropy_with_logits(logits, targets)   # no sigmoid before it\n"
+             "# (nn.BCEWithLogitsLoss; autocast-safe, unlike sigmoid + BCELoss)",
+        why="BCE takes probabilities in [0, 1]; the logits version applies the sigmoid inside, in log space")
 
-@fix_for(Cause.DIV, Cause.DATA)
-def _unbiased_over_one(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "unbiased_over_one":
-        return None
-    return Fix(title="Never reduce std/var over a single sample: drop the short batch or use correction=0",
-               code="loader = DataLoader(dataset, batch_size=16, shuffle=True, drop_last=True)  # no batch of one\n"
-                    "# or, where a batch (or group) of one can occur:\n"
-                    "std = x.std(dim=0, correction=0)   # population std: 0 for one sample, not 0/0" + _src(ev),
-               why="the unbiased estimator divides by N - 1: over one sample that is 0/0 = NaN, and an eps added "
-                   "after std does not reach it")
-
-
-@fix_for(Cause.OVERFLOW, Cause.DIV)
-def _normalization_input(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "normalization":
-        return None
-    return Fix(title=f"Find the extreme value that reaches {_mod(f)} (a larger eps cannot help)",
-               code="# weights (e.g. embedding rows) whose square overflows float32 (|x| > 1.8e19)\n"
-                    "for name, p in model.named_parameters():\n"
-                    "    rows = (p.detach().abs() > 1e19).reshape(p.shape[0], -1).any(1).nonzero().flatten()\n"
-                    "    if len(rows):\n"
-                    "        print(name, rows[:10].tolist())\n"
-                    "# e.g. re-initialise such embedding rows from the trained ones:\n"
-                    "# emb.weight.data[rows] = emb.weight.data[good].mean(0)" + _src(ev),
-               why="the normalization squares its inputs for the variance: a value beyond ~1.8e19 makes it inf and "
-                   "the output NaN whatever eps is; the value itself (a corrupt row, a feature far out of range) is "
-                   "the bug")
-
-
-@fix_for(Cause.DOMAIN)
-def _bce_logits(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "bce_outside_unit_interval":
-        return None
-    return Fix(title="Use binary_cross_entropy_with_logits on the raw scores",
-               code="loss = F.binary_cross_entropy_with_logits(logits, targets)   # no sigmoid before it\n"
-                    "# (nn.BCEWithLogitsLoss; autocast-safe, unlike sigmoid + BCELoss)",
-               why="BCE takes probabilities in [0, 1]; the logits version applies the sigmoid inside, in log space")
-
-
-@fix_for(Cause.DOMAIN)
-def _linalg_jitter(f: Finding, ev: Evidence) -> Fix | None:
-    if _kind(ev) != "not_positive_definite":
-        return None
-    return Fix(title="Make the matrix safely positive-definite before factorising it",
-               code="eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)\n"
-                    "L = torch.linalg.cholesky(cov + 1e-5 * eye)        # jitter on the diagonal\n"
-                    "# or factorise in float64: torch.linalg.cholesky(cov.double()).to(cov.dtype)",
-               why="a covariance estimated from few samples (or in low precision) is singular or slightly "
-                   "indefinite; a small diagonal jitter restores positive-definiteness")
+_static(Cause.DOMAIN, when=_kind_is("not_positive_definite"),
+        title="Make the matrix safely positive-definite before factorising it",
+        code="eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)\n"
+             "L = torch.linalg.cholesky(cov + 1e-5 * eye)        # jitter on the diagonal\n"
+             "# or factorise in float64: torch.linalg.cholesky(cov.double()).to(cov.dtype)",
+        why="a covariance estimated from few samples (or in low precision) is singular or slightly "
+            "indefinite; a small diagonal jitter restores positive-definiteness")
 
 
 @fix_for(Cause.OVERFLOW)
@@ -421,10 +384,6 @@ def _fp16_constant(f: Finding, ev: Evidence) -> Fix | None:
 
 
 # -- precision ---------------------------------------------------------------------------------
-def _is_low_run(ev: Evidence) -> bool:
-    return ev.reached.precision.low
-
-
 @fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(precision=Precision.BF16)
          if ev.reached.precision is Precision.FP16 else None)
 def _bf16(f: Finding, ev: Evidence) -> Fix | None:
@@ -452,9 +411,9 @@ def _island_modules(f: Finding, ev: Evidence) -> tuple[str, ...]:
 
 @fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, Cause.LOG, Cause.DIV, Cause.SQRT,
          verify=lambda f, ev: Remedy(fp32_modules=_island_modules(f, ev))
-         if _is_low_run(ev) and f.module and f.module != LOSS_FN and f.phase is not Phase.UPDATE else None)
+         if ev.reached.precision.low and f.module and f.module != LOSS_FN and f.phase is not Phase.UPDATE else None)
 def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
-    if not _is_low_run(ev) or f.phase is Phase.UPDATE:
+    if not ev.reached.precision.low or f.phase is Phase.UPDATE:
         return None
     dev = _device(ev)
     pure = ev.target.pure
@@ -462,7 +421,7 @@ def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
         names = _island_modules(f, ev)
         if pure and any(any(True for _ in ev.target.model.get_submodule(n).parameters()) for n in names):
             return None   # weights stored in low precision: an island would need float32 copies of them
-        mods = ", ".join(_attr(dataclasses.replace(f, module=n)) for n in names)
+        mods = ", ".join(_attr(n) for n in names)
         back = str(ev.target.weights.dtype) if pure else None   # "torch.bfloat16"
         ret = (f"            out = forward(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n"
                f"                            for a in args), **kwargs)\n"
@@ -487,49 +446,32 @@ def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
                    "precision; everything else keeps the speed of low precision")
 
 
-@fix_for(Cause.OVERFLOW)
-def _scale_before_matmul(f: Finding, ev: Evidence) -> Fix | None:
-    e = ev.origin
-    if e is None or op_base(e.op) not in ("bmm", "mm", "matmul", "baddbmm", "addmm"):
-        return None
-    if not (f.module and "att" in f.module.lower()):
-        return None
-    return Fix(title="Scale q before q @ k^T (or use F.scaled_dot_product_attention)",
-               code="# scale first, so the product never leaves the fp16 range\n"
-                    "q = q * (q.size(-1) ** -0.5)\n"
-                    "scores = q @ k.transpose(-2, -1)\n"
-                    "# or, fused and overflow-safe:\n"
-                    "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)"
-                    + _src(ev),
-               why="dividing by sqrt(d) after the matmul lets the unscaled logits overflow 65504 first; "
-                   "qk-norm (LayerNorm on q and k) bounds them for good")
+_static(Cause.OVERFLOW, when=lambda f, ev: _op_in("bmm", "mm", "matmul", "baddbmm", "addmm")(f, ev)
+        and bool(f.module and "att" in f.module.lower()), src=True,
+        title="Scale q before q @ k^T (or use F.scaled_dot_product_attention)",
+        code="# scale first, so the product never leaves the fp16 range\n"
+             "q = q * (q.size(-1) ** -0.5)\n"
+             "scores = q @ k.transpose(-2, -1)\n"
+             "# or, fused and overflow-safe:\n"
+             "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)",
+        why="dividing by sqrt(d) after the matmul lets the unscaled logits overflow 65504 first; "
+            "qk-norm (LayerNorm on q and k) bounds them for good")
 
+_static(Cause.OVERFLOW, when=_op_in("_to_copy", "copy_", "fill_", "masked_fill", "masked_fill_"), src=True,
+        title="Use a dtype-aware constant instead of a hard-coded huge one (-1e9, 1e10, ...)",
+        code="neg = torch.finfo(scores.dtype).min        # -65504 in fp16, -3.4e38 in fp32\n"
+             "scores = scores.masked_fill(blocked, neg)   # instead of adding (blocked * -1e9).to(dtype)",
+        why="a constant beyond the fp16 range becomes inf when cast; fully masked rows then give "
+            "softmax(-inf, ..., -inf) = NaN, where the finite minimum gives a uniform row")
 
-@fix_for(Cause.OVERFLOW)
-def _dtype_aware_constant(f: Finding, ev: Evidence) -> Fix | None:
-    e = ev.origin
-    if e is None or op_base(e.op) not in ("_to_copy", "copy_", "fill_", "masked_fill", "masked_fill_"):
-        return None
-    return Fix(title="Use a dtype-aware constant instead of a hard-coded huge one (-1e9, 1e10, ...)",
-               code="neg = torch.finfo(scores.dtype).min        # -65504 in fp16, -3.4e38 in fp32\n"
-                    "scores = scores.masked_fill(blocked, neg)   # instead of adding (blocked * -1e9).to(dtype)"
-                    + _src(ev),
-               why="a constant beyond the fp16 range becomes inf when cast; fully masked rows then give "
-                   "softmax(-inf, ..., -inf) = NaN, where the finite minimum gives a uniform row")
-
-
-@fix_for(Cause.OVERFLOW)
-def _exp_overflow(f: Finding, ev: Evidence) -> Fix | None:
-    e = ev.origin
-    if e is None or op_base(e.op) not in ("exp", "expm1", "exp2", "sinh", "cosh"):
-        return None
-    return Fix(title="Use a numerically stable form instead of exp (softplus, logsumexp, log-sigmoid)",
-               code="# log(1 + exp(x))      -> torch.nn.functional.softplus(x)\n"
-                    "# log(sum(exp(x)))     -> torch.logsumexp(x, dim=-1)\n"
-                    "# exp(x) / sum(exp(x)) -> torch.softmax(x, dim=-1)\n"
-                    "y = torch.nn.functional.softplus(x)" + _src(ev),
-               why="these subtract the maximum (or switch to a linear branch) before exponentiating, so large "
-                   "inputs cannot overflow")
+_static(Cause.OVERFLOW, when=_op_in("exp", "expm1", "exp2", "sinh", "cosh"), src=True,
+        title="Use a numerically stable form instead of exp (softplus, logsumexp, log-sigmoid)",
+        code="# log(1 + exp(x))      -> torch.nn.functional.softplus(x)\n"
+             "# log(sum(exp(x)))     -> torch.logsumexp(x, dim=-1)\n"
+             "# exp(x) / sum(exp(x)) -> torch.softmax(x, dim=-1)\n"
+             "y = torch.nn.functional.softplus(x)",
+        why="these subtract the maximum (or switch to a linear branch) before exponentiating, so large "
+            "inputs cannot overflow")
 
 
 # -- lr -----------------------------------------------------------------------------------------
@@ -660,8 +602,8 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                         "mask = mask | (~mask.any(-1, keepdim=True))",
                    why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
     shift = next((p for p in ev.data if p.code == "shift"), None)
+    step = ev.reached.step
     if not codes and ev.reached.status is Status.SPIKE and shift is not None:
-        step = ev.reached.step
         return Fix(title=f"Fix {shift.key} in batch {step} at the source: it is in other units than the batches "
                          "before",
                    code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
@@ -670,7 +612,6 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                         "with nanprobe.Guard",
                    why=f"{shift.message}; one batch in other units moves the weights by its own outliers")
     if not codes and ev.reached.status is Status.SPIKE:
-        step = ev.reached.step
         return Fix(title=f"Find what is different about batch {step}: its loss is far outside the run's",
                    code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
                         "every batch: compare batch " + f"{step} with the others\n"
@@ -686,17 +627,14 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
 
 
 # -- log / sqrt / div / domain -------------------------------------------------------------------
-@fix_for(Cause.LOG, Cause.UNDERFLOW)
-def _log_space(f: Finding, ev: Evidence) -> Fix | None:
-    e = ev.origin
-    if e is None or f.cause is Cause.UNDERFLOW and op_base(e.op) not in ("log", "log2", "log10", "log1p"):
-        return None
-    return Fix(title="Compute the loss in log space instead of log(probability)",
-               code="# -log(sigmoid(z))   -> F.softplus(-z)  or  F.binary_cross_entropy_with_logits(z, y)\n"
-                    "# log(softmax(z))    -> F.log_softmax(z, dim=-1)  or  F.cross_entropy(z, y)\n"
-                    "# log(rate) (Poisson)-> predict log_rate and use F.poisson_nll_loss(log_rate, y, log_input=True)"
-                    + _src(ev),
-               why="fused log-space functions never form the probability that underflows to 0")
+_static(Cause.LOG, Cause.UNDERFLOW, src=True,
+        when=lambda f, ev: f.cause is not Cause.UNDERFLOW and ev.origin is not None
+        or _op_in("log", "log2", "log10", "log1p")(f, ev),
+        title="Compute the loss in log space instead of log(probability)",
+        code="# -log(sigmoid(z))   -> F.softplus(-z)  or  F.binary_cross_entropy_with_logits(z, y)\n"
+             "# log(softmax(z))    -> F.log_softmax(z, dim=-1)  or  F.cross_entropy(z, y)\n"
+             "# log(rate) (Poisson)-> predict log_rate and use F.poisson_nll_loss(log_rate, y, log_input=True)",
+        why="fused log-space functions never form the probability that underflows to 0")
 
 
 @fix_for(Cause.LOG, Cause.UNDERFLOW)
@@ -715,13 +653,12 @@ def _clamp_log(f: Finding, ev: Evidence) -> Fix | None:
                why="log(0) = -inf and its gradient 1/x = inf; adding 1e-8 does nothing in fp16 (it rounds to 0)")
 
 
-@fix_for(Cause.SQRT)
-def _sqrt_eps(f: Finding, ev: Evidence) -> Fix | None:
-    return Fix(title="Keep sqrt away from 0: add eps inside (or use a norm with eps)",
-               code="dist = torch.sqrt(((a - b) ** 2).sum(-1) + 1e-12)\n"
-                    "# or: F.pairwise_distance(a, b, eps=1e-6); torch.linalg.vector_norm is safe at 0 forward\n"
-                    "# but not in backward" + _src(ev),
-               why="d/dx sqrt(x) = 1/(2 sqrt(x)) is infinite at x = 0, and 0 * inf = NaN in the chain rule")
+_static(Cause.SQRT, when=lambda f, ev: True, src=True,
+        title="Keep sqrt away from 0: add eps inside (or use a norm with eps)",
+        code="dist = torch.sqrt(((a - b) ** 2).sum(-1) + 1e-12)\n"
+             "# or: F.pairwise_distance(a, b, eps=1e-6); torch.linalg.vector_norm is safe at 0 forward\n"
+             "# but not in backward",
+        why="d/dx sqrt(x) = 1/(2 sqrt(x)) is infinite at x = 0, and 0 * inf = NaN in the chain rule")
 
 
 @fix_for(Cause.DIV, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(param_overrides=(("eps", 1e-8),))
@@ -743,15 +680,11 @@ def _div_eps(f: Finding, ev: Evidence) -> Fix | None:
                why="a zero (or underflowed) denominator gives 0/0 = NaN or x/0 = inf")
 
 
-@fix_for(Cause.DIV)
-def _softmax_mask(f: Finding, ev: Evidence) -> Fix | None:
-    e = ev.origin
-    if e is None or op_base(e.op) != "_softmax":
-        return None
-    return Fix(title="Use a large finite negative number instead of -inf for masks, or never mask a whole row",
-               code="scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\n"
-                    "mask = mask | (~mask.any(-1, keepdim=True))  # rows with nothing to attend to",
-               why="softmax of an all -inf row is 0/0 = NaN")
+_static(Cause.DIV, when=_op_in("_softmax"),
+        title="Use a large finite negative number instead of -inf for masks, or never mask a whole row",
+        code="scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\n"
+             "mask = mask | (~mask.any(-1, keepdim=True))  # rows with nothing to attend to",
+        why="softmax of an all -inf row is 0/0 = NaN")
 
 
 @fix_for(Cause.DOMAIN)
@@ -779,12 +712,11 @@ def _domain_clamp(f: Finding, ev: Evidence) -> Fix | None:
 
 
 # -- not reproduced -----------------------------------------------------------------------------
-@fix_for(Cause.NOT_REPRODUCED)
-def _determinism(f: Finding, ev: Evidence) -> Fix | None:
-    return Fix(title="Make the step reproducible and check the hardware",
-               code="torch.use_deterministic_algorithms(True)\ntorch.backends.cudnn.benchmark = False\n"
-                    "# and on the machine: nvidia-smi -q -d ECC,TEMPERATURE",
-               why="a step that is finite when replayed exactly points at nondeterminism or a hardware fault")
+_static(Cause.NOT_REPRODUCED, when=lambda f, ev: True,
+        title="Make the step reproducible and check the hardware",
+        code="torch.use_deterministic_algorithms(True)\ntorch.backends.cudnn.benchmark = False\n"
+             "# and on the machine: nvidia-smi -q -d ECC,TEMPERATURE",
+        why="a step that is finite when replayed exactly points at nondeterminism or a hardware fault")
 
 
 # -- unknown -------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,15 +39,20 @@ from ..reach.step import RunOptions
 
 # -- slow divergence --------------------------------------------------------------------------------
 
+def _fed(losses: list[tuple[int, float | None]], sigmas: float, rise: float, patience: int) -> Breakaway:
+    b = Breakaway(window=5, sigmas=sigmas, rise=rise, patience=patience, min_steps=10)
+    for step, loss in losses:
+        if loss is not None:
+            b.add(loss, step)
+    return b
+
+
 def broke_away(losses: list[tuple[int, float]], *, sigmas: float = 4.0, rise: float = 0.1) -> int | None:
     """The step where the loss left its best level for good within the horizon: ``divergence.Breakaway``
     (the replay's slow-divergence test, with its ``monitor.breakaway_sigmas`` / ``breakaway_rise``) sized to
     a horizon - a running median of 5, above the best level from that step through the last one, for at
     least 5 steps. None when it did not (or came back before the horizon ended)."""
-    b = Breakaway(window=5, sigmas=sigmas, rise=rise, patience=5, min_steps=10)
-    for step, loss in losses:
-        if loss is not None:
-            b.add(loss, step)
+    b = _fed(losses, sigmas, rise, patience=5)
     if not losses or b.above_since is None or b.n < b.min_steps or losses[-1][0] - b.above_since + 1 < b.patience:
         return None
     return b.above_since
@@ -59,10 +63,7 @@ def left_before(history: list[tuple[int, float]], *, sigmas: float = 4.0,
     """(best level, its step, the cut above it) when the run had already left its best level before the
     horizon began (a lookback shorter than the divergence): a fix that holds must bring it back under
     the cut. None when the run was at its best level (or its history is too short to say)."""
-    b = Breakaway(window=5, sigmas=sigmas, rise=rise, patience=1, min_steps=10)
-    for step, loss in history:
-        if loss is not None:
-            b.add(loss, step)
+    b = _fed(history, sigmas, rise, patience=1)
     if b.above_since is None or b.best is None or b.n < b.min_steps:
         return None
     return b.best, b.best_step, b.cut()
@@ -135,7 +136,6 @@ class Run:
     error: str | None = None            # the run itself could not train (the user's code raised)
     new_origin: dict[str, Any] | None = None
     steps: int = 0                      # steps trained
-    seconds: float = 0.0
 
     @property
     def last(self) -> int | None:
@@ -163,8 +163,6 @@ class Horizon:
         self.data_end: int | None = None          # the last step the data reaches, once seen
         self.level: tuple[float, int, float] | None = None   # left_before: the run had broken away already
         self.best: tuple[float, int, float] | None = None    # the unfixed run's best level before the start
-        self.setup_seconds = 0.0
-        t0 = time.perf_counter()
         if start == reached.step:
             self.target, self.loop, self.snapshot = reached.loop.target, reached.loop, reached.snapshot
             self.prefix = list(reached.history)
@@ -184,7 +182,6 @@ class Horizon:
         bk = reached.breakaway   # the replay saw the whole run: its best level before the break-away
         if bk is not None and bk["best_step"] < start and (self.best is None or bk["best"] < self.best[0]):
             self.best = (bk["best"], bk["best_step"], bk["sigma"] / math.sqrt(5))
-        self.setup_seconds = time.perf_counter() - t0
 
     def _replay_to(self, loaded, start: int) -> None:
         """Build the target again and replay it to ``start`` (the state before the onset)."""
@@ -267,7 +264,6 @@ class Horizon:
         """Train the horizon with ``remedy`` (None: unfixed) from the saved state."""
         remedy = remedy or Remedy()
         out = Run()
-        t0 = time.perf_counter()
         self.snapshot.restore(self.loop.objects)
         judge = Judge(self.cfg.replay)
         for rec in self.prefix:
@@ -309,7 +305,6 @@ class Horizon:
         finally:
             if rolling is not None:
                 rolling.release()
-        out.seconds = time.perf_counter() - t0
         if out.failed_at is None and out.error is None:
             slow = broke_away(out.losses, sigmas=self.cfg.monitor.breakaway_sigmas,
                               rise=self.cfg.monitor.breakaway_rise)
@@ -364,13 +359,9 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
     if fixed.failed_at is not None:
         info["reason"] = fixed.reason
         info["loss_fixed"] = _tail_mean(fixed.losses, fixed.failed_at)
-        where = ""
         o = fixed.new_origin
-        if o:
-            where = f": new origin {o['phase']} {o['module'] or 'model'} {o['op']}" + (f" ({o['kind']})" if o["kind"]
-                                                                                     else "")
-        else:
-            where = f": {fixed.reason}"
+        where = (f": new origin {o['phase']} {o['module'] or 'model'} {o['op']}" + (f" ({o['kind']})" if o["kind"]
+                 else "")) if o else f": {fixed.reason}"
         return False, f"failed at step {fixed.failed_at}{where}", info
     last = fixed.last
     if last is None or last <= h.failing:
@@ -439,18 +430,13 @@ def verify_over_horizon(loaded, reached: Reached, onset: int | None, candidates:
         budget = max(cfg.horizon.max_fixes, 0)
         runs: dict[Remedy, Run] = {}
         for fix, remedy in candidates:
-            if remedy is None:
-                out.append(dataclasses.replace(fix, verify_note=fix.verify_note or
-                                               "not verified: it changes your code in a way nanprobe cannot apply "
-                                               "from outside"))
-                continue
-            why = remedy.why_not(h.target)
+            why = "it changes your code in a way nanprobe cannot apply from outside" if remedy is None \
+                else remedy.why_not(h.target)
+            if why is None and remedy not in runs and len(runs) >= budget:
+                why = f"{budget} fixes were trained over the horizon (horizon.max_fixes)"
             if why is not None:
-                out.append(dataclasses.replace(fix, verify_note=f"not verified: {why}"))
-                continue
-            if remedy not in runs and len(runs) >= budget:
-                out.append(dataclasses.replace(fix, verify_note=f"not verified: {budget} fixes were trained over the "
-                                               "horizon (horizon.max_fixes)"))
+                keep = remedy is None and fix.verify_note
+                out.append(dataclasses.replace(fix, verify_note=fix.verify_note if keep else f"not verified: {why}"))
                 continue
             if remedy not in runs:
                 progress(f"training the horizon with {remedy.describe()}")
