@@ -25,20 +25,27 @@ def iter_tensors(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.T
             yield from iter_tensors(value, f"{path}.{fields_[i]}" if fields_ else f"{path}[{i}]")
 
 
-def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Rebuild a nested batch with ``fn`` applied to every tensor (containers are copied)."""
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor], *,
+                ragged: Callable[[list | tuple, bool], Any] | None = None, _top: bool = True) -> Any:
+    """Rebuild a nested batch with ``fn`` applied to every tensor (containers are copied).
+
+    ``ragged(items, top)``, where given, may rebuild a plain list or tuple itself (None: it does not)."""
+    def inner(x: Any) -> Any:
+        return map_tensors(x, fn, ragged=ragged, _top=False)
+
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)((k, map_tensors(v, fn)) for k, v in batch.items()) if type(batch) is not dict \
-            else {k: map_tensors(v, fn) for k, v in batch.items()}
+        return type(batch)((k, inner(v)) for k, v in batch.items()) if type(batch) is not dict \
+            else {k: inner(v) for k, v in batch.items()}
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: map_tensors(getattr(batch, f.name), fn)
+        return dataclasses.replace(batch, **{f.name: inner(getattr(batch, f.name))
                                              for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(map_tensors(v, fn) for v in batch))
+        return type(batch)(*(inner(v) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(v, fn) for v in batch)
+        own = ragged(batch, _top) if ragged is not None else None
+        return own if own is not None else type(batch)(inner(v) for v in batch)
     return batch
 
 

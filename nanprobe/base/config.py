@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, get_origin
 
 import yaml
@@ -166,6 +167,16 @@ _CHOICES = {
 }
 
 
+# type -> (is the value valid for the key, what it must be)
+_KINDS: dict[type, tuple[Callable[[Any, str], bool], str]] = {
+    bool: (lambda v, k: isinstance(v, bool), "true or false"),
+    int: (lambda v, k: isinstance(v, int) and not isinstance(v, bool) and (v >= 0 or k in _SIGNED),
+          "a non-negative integer"),
+    float: (lambda v, k: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a non-negative number"),
+    str: (lambda v, k: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(section: str, key: str, value: Any, annotation: Any, problems: list[str]) -> Any:
     where = f"{section}.{key}"
     typ = eval(annotation) if isinstance(annotation, str) else annotation  # noqa: S307 - our own annotations
@@ -177,27 +188,15 @@ def _coerce(section: str, key: str, value: Any, annotation: Any, problems: list[
         if bad:
             problems.append(f"{where} has unknown precision(s) {bad}; choose from {list(PRECISION_NAMES)}")
         return tuple(value)
-    if typ is bool:
-        if not isinstance(value, bool):
-            problems.append(f"{where} must be true or false, got {value!r}")
-        return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int) or (value < 0 and key not in _SIGNED):
-            problems.append(f"{where} must be a non-negative integer, got {value!r}")
-        return value
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            problems.append(f"{where} must be a non-negative number, got {value!r}")
+    ok, what = _KINDS[typ]
+    if not ok(value, key):
+        problems.append(f"{where} must be {what}, got {value!r}")
+        if typ is not str:
             return value
-        return float(value)
-    if typ is str:
-        if not isinstance(value, str):
-            problems.append(f"{where} must be a string, got {value!r}")
-        choices = _CHOICES.get((section, key))
-        if choices and value not in choices:
-            problems.append(f"{where} must be one of {list(choices)}, got {value!r}")
-        return value
-    return value
+    choices = _CHOICES.get((section, key))
+    if choices and value not in choices:
+        problems.append(f"{where} must be one of {list(choices)}, got {value!r}")
+    return float(value) if typ is float else value
 
 
 def _build(data: dict, source: str, base: Config | None = None) -> Config:

@@ -5,6 +5,7 @@ Message format (one line): ``<what> (<where>). <how to fix>.``
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -48,11 +49,8 @@ class ConfigError(NanprobeError):
     def __init__(self, path: str, problems: list[str]):
         self.path = path
         self.problems = list(problems)
-        super().__init__(
-            "invalid config: " + "; ".join(self.problems),
-            path,
-            "Fix these keys or compare with configs/default.yaml",
-        )
+        super().__init__("invalid config: " + "; ".join(self.problems), path,
+                         "Fix these keys or compare with configs/default.yaml")
 
 
 class EntryError(NanprobeError):
@@ -109,40 +107,25 @@ class CapsuleError(NanprobeError):
     """A capsule that is unreadable, truncated, not a capsule, or from another model."""
 
 
-class InternalError(NanprobeError):
-    exit_code = EXIT_INTERNAL
-
-
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the nanprobe package
-_LIBRARY_DIRS: tuple[str, ...] | None = None
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
     """Folders whose frames are never the user's: nanprobe, torch, the CLI stack, stdlib."""
-    global _LIBRARY_DIRS
-    if _LIBRARY_DIRS is None:
-        dirs = [_OWN_DIR, os.path.dirname(os.__file__)]
-        for name in ("torch", "typer", "click", "rich", "_pytest", "pluggy", "yaml"):
-            mod = sys.modules.get(name)
-            if mod is not None and getattr(mod, "__file__", None):
-                dirs.append(os.path.dirname(os.path.abspath(mod.__file__)))
-        _LIBRARY_DIRS = tuple(d + os.sep for d in dirs)
-    return _LIBRARY_DIRS
+    dirs = [_OWN_DIR, os.path.dirname(os.__file__)]
+    for name in ("torch", "typer", "click", "rich", "_pytest", "pluggy", "yaml"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(mod.__file__)))
+    return tuple(d + os.sep for d in dirs)
 
 
-_LIBRARY_CACHE: dict[str, bool] = {}
-
-
+@functools.cache
 def _is_library_file(filename: str) -> bool:
-    known = _LIBRARY_CACHE.get(filename)
-    if known is not None:
-        return known
     if filename.startswith("<"):
-        known = filename.startswith("<frozen") or filename == "<string>"
-    else:
-        known = os.path.abspath(filename).startswith(_library_dirs())
-    _LIBRARY_CACHE[filename] = known
-    return known
+        return filename.startswith("<frozen") or filename == "<string>"
+    return os.path.abspath(filename).startswith(_library_dirs())
 
 
 def user_frame(exc: BaseException) -> tuple[str | None, int | None]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 
@@ -36,13 +38,11 @@ def weights_precision(model: torch.nn.Module) -> Precision | None:
     """The low precision the model's weights are stored in (pure bf16/fp16 training: ``model.to(
     torch.bfloat16)``, no autocast, the optimizer over those weights), or None for float32/float64
     weights. The dtype holding most parameter elements decides (a few float32 norms kept aside do not)."""
-    sizes: dict[torch.dtype, int] = {}
+    sizes: Counter[torch.dtype] = Counter()
     for p in model.parameters():
         if p.is_floating_point():
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    if not sizes:
-        return None
-    dtype = max(sizes, key=lambda d: sizes[d])
+            sizes[p.dtype] += p.numel()
+    dtype = max(sizes, key=sizes.get, default=None)
     return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype)
 
 
@@ -67,10 +67,6 @@ class Limits:
 def limits(dtype: torch.dtype) -> Limits:
     info = torch.finfo(dtype)
     return Limits(max=float(info.max), tiny=float(info.tiny), subnormal=float(info.smallest_normal) * float(info.eps))
-
-
-FP16 = limits(torch.float16)
-BF16 = limits(torch.bfloat16)
 
 
 def autocast_context(precision: Precision, device_type: str, enabled: bool = True):
@@ -120,12 +116,6 @@ CUDA_FP32_OPS = (
     "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
     "sum", "sum.dim_IntList", "norm.Scalar", "norm.ScalarOpt_dim",
 )
-POLICIES = ("native", "cuda")
-
-
-def _overload(name: str):
-    base, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
 @contextlib.contextmanager
@@ -144,7 +134,8 @@ def emulate_cuda_autocast():
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - scoped registration, destroyed below
     try:
         for name in CUDA_FP32_OPS:
-            lib.impl(name, make(_overload(name)), "AutocastCPU")
+            base, _, overload = name.partition(".")
+            lib.impl(name, make(getattr(getattr(torch.ops.aten, base), overload or "default")), "AutocastCPU")
         yield
     finally:
         lib._destroy()
@@ -173,18 +164,11 @@ class _EmulateFp16(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-_FP16_OPS: frozenset | None = None
-
-
+@functools.cache
 def _fp16_ops() -> frozenset:
-    global _FP16_OPS
-    if _FP16_OPS is None:
-        aten = torch.ops.aten
-        names = [("mm", "default"), ("bmm", "default"), ("addmm", "default"), ("baddbmm", "default"),
-                 ("addbmm", "default"), ("convolution", "default"), ("convolution_backward", "default"),
-                 ("_scaled_dot_product_flash_attention_for_cpu", "default")]
-        _FP16_OPS = frozenset(getattr(getattr(aten, n), o) for n, o in names if hasattr(aten, n))
-    return _FP16_OPS
+    names = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "convolution", "convolution_backward",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
 def emulate_fp16_matmuls():

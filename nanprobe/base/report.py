@@ -75,15 +75,9 @@ class Origin:
     micro: int | None = None     # the micro-batch being processed (gradient accumulation)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"phase": self.phase.value, "module": self.module, "op": self.op,
-               "precision": self.precision, "source": self.source}
-        for name in ("code", "node", "kind", "key", "parameter", "micro"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        if self.samples:
-            out["samples"] = list(self.samples)
-        return out
+        return _with({"phase": self.phase.value, "module": self.module, "op": self.op, "precision": self.precision,
+                      "source": self.source}, code=self.code, node=self.node, kind=self.kind, key=self.key,
+                     parameter=self.parameter, micro=self.micro, samples=list(self.samples) or None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,14 +92,8 @@ class Fix:
     verification: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {"title": self.title, "code": self.code, "verified": self.verified}
-        if self.why:
-            out["why"] = self.why
-        if self.verify_note:
-            out["verify_note"] = self.verify_note
-        if self.verification is not None:
-            out["verification"] = self.verification
-        return out
+        return _with({"title": self.title, "code": self.code, "verified": self.verified}, why=self.why or None,
+                     verify_note=self.verify_note or None, verification=self.verification)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,14 +109,10 @@ class Finding:
     onset: int | None = None             # the step where it (or a recovered excursion before it) began
 
     def to_json(self) -> dict[str, Any]:
-        out = {"cause": self.cause.value, "confidence": round(self.confidence, 3), "phase": self.phase.value,
-               "module": self.module, "op": self.op, "evidence": list(self.evidence),
-               "fixes": [f.to_json() for f in self.fixes]}
-        if self.mechanism is not None:
-            out["mechanism"] = self.mechanism.value
-        if self.onset is not None:
-            out["onset"] = self.onset
-        return out
+        return _with({"cause": self.cause.value, "confidence": round(self.confidence, 3), "phase": self.phase.value,
+                      "module": self.module, "op": self.op, "evidence": list(self.evidence),
+                      "fixes": [f.to_json() for f in self.fixes]},
+                     mechanism=self.mechanism.value if self.mechanism is not None else None, onset=self.onset)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,13 +125,9 @@ class PrecisionResult:
     note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {"loss": _num(self.loss), "finite": self.finite,
-               "origin": self.origin.to_json() if self.origin else None}
-        if self.grad_norm is not None:
-            out["grad_norm"] = _num(self.grad_norm)
-        if self.note:
-            out["note"] = self.note
-        return out
+        return _with({"loss": _num(self.loss), "finite": self.finite,
+                      "origin": self.origin.to_json() if self.origin else None},
+                     grad_norm=_num(self.grad_norm), note=self.note or None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,15 +240,15 @@ class Report:
             "position": self.position,
             "fidelity": self.fidelity.to_json() if self.fidelity else None,
         }
-        if self.error:
-            out["error"] = self.error
-        if self.trajectory is not None:
-            out["trajectory"] = self.trajectory
-        out.update(self.extra)
-        return out
+        return {**_with(out, error=self.error or None, trajectory=self.trajectory), **self.extra}
 
     def dumps(self) -> str:
         return dumps(self.to_json())
+
+
+def _with(out: dict[str, Any], **optional: Any) -> dict[str, Any]:
+    """``out`` plus the optional keys that are not None (a schema's optional fields)."""
+    return {**out, **{k: v for k, v in optional.items() if v is not None}}
 
 
 def _num(x: float | None) -> float | str | None:
