@@ -24,11 +24,7 @@ def _same(a: float | None, b: float | None, rtol: float | None) -> bool:
         return a is b
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
-    if math.isinf(a) or math.isinf(b):
-        return a == b
-    if rtol is None:
-        return a == b
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
+    return a == b if rtol is None else math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-30)
 
 
 def _values(record: StepRecord | None, trace: StepTrace | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ hooks are removed on exit, errors included.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import deque
@@ -71,7 +72,7 @@ _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 _UNCHECKED = _SKIP | _MOVERS | _CASTS   # one set lookup per op on the dispatch path
 
 MAX_EVENTS = 12
-_OP_NAMES: dict[Any, str] = {}
+_op_name = functools.cache(str)   # an op's name, e.g. "aten.mm.default"
 # Reductions whose -inf output from -inf inputs means an empty set (every entry of the slice was
 # -inf, e.g. an anchor with no positive): an origin, not an intended mask passing through.
 _EMPTY_SET = {aten.logsumexp.default}
@@ -88,7 +89,6 @@ class TensorStats:
     max: float
     min_nonzero: float | None
     zeros: int
-    negatives: int
     nonfinite: int
     numel: int
 
@@ -197,19 +197,9 @@ def _kinds(tensors: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
     """(has_nan, has_posinf, has_neginf) per tensor, with one device sync."""
     if not tensors:
         return []
-    mins, maxs = [], []
-    for t in tensors:
-        mn, mx = torch.aminmax(t.detach())
-        mins.append(mn.float())
-        maxs.append(mx.float())
-    values = torch.stack(mins + maxs).tolist()
-    n = len(tensors)
-    out = []
-    for i in range(n):
-        mn, mx = values[i], values[n + i]
-        nan = math.isnan(mn) or math.isnan(mx)
-        out.append((nan, mx == math.inf, mn == -math.inf))
-    return out
+    values = torch.stack([m.float() for t in tensors for m in torch.aminmax(t.detach())]).tolist()
+    return [(math.isnan(mn) or math.isnan(mx), mx == math.inf, mn == -math.inf)
+            for mn, mx in zip(values[0::2], values[1::2])]
 
 
 def _tensor_stats(t: torch.Tensor) -> TensorStats:
@@ -218,24 +208,24 @@ def _tensor_stats(t: torch.Tensor) -> TensorStats:
     fx = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
     ax = fx.abs()
     nz = torch.where(ax > 0, ax, torch.full((), math.inf, device=x.device))
-    row = torch.stack([ax.max(), fx.min(), fx.max(), nz.min(), (x == 0).sum().float(), (x < 0).sum().float(),
+    row = torch.stack([ax.max(), fx.min(), fx.max(), nz.min(), (x == 0).sum().float(),
                        (~finite).sum().float()]).tolist()
     return TensorStats(dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape), absmax=row[0], min=row[1],
                        max=row[2], min_nonzero=None if math.isinf(row[3]) else row[3], zeros=int(row[4]),
-                       negatives=int(row[5]), nonfinite=int(row[6]), numel=t.numel())
+                       nonfinite=int(row[5]), numel=t.numel())
 
 
-_WRITTEN: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+@functools.cache
+def _written(func) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of the arguments an op writes to."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     """Tensors an in-place or out= op writes to (checked before the op overwrites them)."""
-    written = _WRITTEN.get(func)
-    if written is None:
-        written = _WRITTEN[func] = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-                                         if a.alias_info is not None and a.alias_info.is_write)
     out: list[torch.Tensor] = []
-    for i, name, kwarg_only in written:
+    for i, name, kwarg_only in _written(func):
         value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
         if isinstance(value, torch.Tensor):
             if value.is_floating_point() and value.numel() > 0:
@@ -286,11 +276,9 @@ class OriginTracker:
     (the step function in ``rerun`` does this).
     """
 
-    def __init__(self, model: torch.nn.Module,
-                 optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None, *,
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer] | None, *,
                  low_dtype: torch.dtype | None, batch_size: int | None, probe: Probe | None = None,
-                 ranges: bool = True, source_of_node: int | None = None, context: int = 6,
-                 phases: frozenset[Phase] | None = None, deferred: bool = False,
+                 source_of_node: int | None = None, phases: frozenset[Phase] | None = None, deferred: bool = False,
                  only: frozenset[int] | None = None):
         self.model = model
         # deferred: each checked op's finiteness stays on the device (a sum), read once per phase; the
@@ -304,8 +292,7 @@ class OriginTracker:
         self._bad_storages: set[int] = set()  # only-mode: outputs of flagged ops (their users propagate)
         # the phases whose ops are checked one by one (others run at full speed)
         self.phases = frozenset(phases) if phases is not None else frozenset(Phase)
-        self.optimizers = [] if optimizers is None else (
-            [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers))
+        self.optimizers = list(optimizers or [])
         self.names = {id(m): name for name, m in model.named_modules()}
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.limits: Limits = limits(low_dtype or torch.float16)
@@ -320,11 +307,10 @@ class OriginTracker:
         self.micro: int | None = None                 # micro-batch in progress (accumulation)
         self._micros = 1
         self.source_of_node = source_of_node          # node_seq whose forward line to read (anomaly rerun)
-        self._want_ranges = ranges
         self._module_stats: list[_ModuleStat] = []
         # the last module outputs, by reference: their ranges are computed only for the modules
         # just before the origin (or the end of the forward), not for every module
-        self._recent: deque[tuple[str, torch.Tensor, int]] = deque(maxlen=max(context, 1))
+        self._recent: deque[tuple[str, torch.Tensor, int]] = deque(maxlen=6)
         self._origin_module: str | None = None  # its range is taken when it finishes
         self._occurrences: dict[tuple, int] = {}
         self._storage_names: dict[int, tuple[str, str]] = {}
@@ -405,7 +391,7 @@ class OriginTracker:
             self.stack.pop()
         if Phase.BACKWARD in self.phases and torch.is_grad_enabled():
             self._label_nodes(name, output)
-        if self._want_ranges and self.active:
+        if self.active:
             outs = [t for _, t in iter_tensors(output) if t.is_floating_point() and t.numel() > 0]
             if outs:
                 if not self.trace.events:
@@ -507,19 +493,12 @@ class OriginTracker:
                 continue
             pname, role = hit
             info: dict[str, Any] = {"parameter": pname, "role": role}
-            params = dict(self.model.named_parameters())
-            p = params.get(pname)
-            opt = next((o for o in self.optimizers for g in o.param_groups if any(q is p for q in g["params"])),
-                       None) if p is not None else None
+            p = dict(self.model.named_parameters()).get(pname)
+            opt, group = next(((o, g) for o in self.optimizers for g in o.param_groups
+                               if any(q is p for q in g["params"])), (None, None))
             if opt is not None:
-                for group in opt.param_groups:
-                    if any(q is p for q in group["params"]):
-                        info["lr"] = _scalar(group.get("lr"))
-                        if "eps" in group:
-                            info["eps"] = _scalar(group["eps"])
-                        if "weight_decay" in group:
-                            info["weight_decay"] = _scalar(group["weight_decay"])
-                        break
+                info["lr"] = _scalar(group.get("lr"))
+                info.update({k: _scalar(group[k]) for k in ("eps", "weight_decay") if k in group})
                 state = opt.state.get(p, {})
                 info["optimizer"] = type(opt).__name__
                 for key in ("exp_avg_sq", "square_avg", "sum", "exp_inf", "exp_avg"):
@@ -569,9 +548,7 @@ class OriginTracker:
         trace = self.trace
         trace.ops_checked += 1
         module = self._module_for_op()
-        op = _OP_NAMES.get(func)
-        if op is None:
-            op = _OP_NAMES[func] = str(func)
+        op = _op_name(func)
         node_name = self._node_name()
         key = (self.phase, module, op, node_name)
         occ = self._occurrences.get(key, 0)
@@ -613,9 +590,7 @@ class OriginTracker:
         scalars = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (int, float)) and not isinstance(a, bool)]
         in_nan = any(k[0] for k in in_kinds) or any(isinstance(s, float) and math.isnan(s) for s in scalars)
         in_inf = any(k[1] or k[2] for k in in_kinds) or any(isinstance(s, float) and math.isinf(s) for s in scalars)
-        out_nan = any(k[0] for k in out_kinds)
-        out_pos = any(k[1] for k in out_kinds)
-        out_neg = any(k[2] for k in out_kinds)
+        out_nan, out_pos, out_neg = (any(col) for col in zip(*out_kinds))
         born_nan = out_nan and not in_nan
         born_inf = (out_pos or out_neg) and not (in_inf or in_nan)
         if not (born_nan or born_inf) and func in _EMPTY_SET and out_neg and not out_nan and not in_nan \

@@ -13,7 +13,7 @@ import torch
 from ..base.batch import map_tensors
 from ..base.errors import UserCodeError
 from .instrument import Event, OriginTracker, Probe, Trace
-from ..base.precision import Precision, device_of, emulate_fp16_matmuls, retarget_casts
+from ..base.precision import Precision, emulate_fp16_matmuls, retarget_casts
 from ..reach.replay import Reached, measure
 from ..base.report import Phase, StepRecord
 from ..reach.state import Snapshot
@@ -39,39 +39,6 @@ class StepTrace:
     @property
     def origin(self) -> Event | None:
         return self.trace.events[0] if self.trace and self.trace.events else None
-
-
-@contextlib.contextmanager
-def _fp32_island(model: torch.nn.Module, module_names: str | tuple[str, ...], back: torch.dtype | None = None):
-    """Run modules with autocast disabled and float32 inputs (the fix we verify); ``back``: cast their
-    floating outputs to this dtype (the weights' own, in a pure low-precision run)."""
-    names = (module_names,) if isinstance(module_names, str) else tuple(module_names)
-    modules = [m for n, m in model.named_modules() if n in names]
-    device_type = device_of(model).type
-    contexts: list[Any] = []
-
-    def pre(mod, args, kwargs):
-        ctx = torch.autocast(device_type, enabled=False)
-        ctx.__enter__()
-        contexts.append(ctx)
-        cast = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-    def post(mod, args, kwargs, out):
-        contexts.pop().__exit__(None, None, None)
-        if back is not None:
-            return map_tensors(out, lambda t: t.to(back) if t.is_floating_point() else t)
-        return None
-
-    handles = []
-    for module in modules:
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
-    try:
-        yield bool(modules)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -153,14 +120,13 @@ def _scaler_for(loop: Loop, precision: Precision, grad_scaler: bool | None,
 
 
 def run_step(target, reached: Reached, precision: Precision, *, where: str, instrument: bool = True,
-             probe: Probe | None = None, fp32_module: str | tuple[str, ...] | None = None,
-             max_grad_norm: float | None = None,
+             probe: Probe | None = None, max_grad_norm: float | None = None,
              lr_scale: float | None = None, param_overrides: dict[str, Any] | None = None,
              grad_scaler: bool | None = None, scale: float | None = None, tolerate_errors: bool = False,
              observe: Callable[[Phase], None] | None = None, source_of_node: int | None = None,
              restore_after: bool = True, phases: frozenset[Phase] | None = None,
              ratios: bool = True, update: bool = True, emulate_fp16: bool = False,
-             deferred: bool | None = None, _mode: dict | None = None) -> StepTrace:
+             deferred: bool | None = None) -> StepTrace:
     """Restore the state before the step and run it once; with ``restore_after`` (the default) restore
     again, so the user's objects end unchanged. A caller that reruns several times passes False and
     restores once at the end (``Reached.restore``): each restore copies the whole state.
@@ -177,7 +143,7 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     per op; when an op went non-finite, a second pass checks those ops one by one.
     """
     loop = reached.loop
-    kw = dict(probe=probe, fp32_module=fp32_module, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+    kw = dict(probe=probe, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
               param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
               tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
               restore_after=restore_after, phases=phases, ratios=ratios, update=update, emulate_fp16=emulate_fp16)
@@ -190,11 +156,11 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
         if second.trace is not None:
             second.trace.reads += first.trace.reads
         return second
-    return _run_step(reached, precision, instrument=instrument, mode=_mode, **kw)
+    return _run_step(reached, precision, instrument=instrument, mode=None, **kw)
 
 
 def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
-              probe: Probe | None, fp32_module, max_grad_norm, lr_scale, param_overrides, grad_scaler, scale,
+              probe: Probe | None, max_grad_norm, lr_scale, param_overrides, grad_scaler, scale,
               tolerate_errors: bool, observe, source_of_node, restore_after: bool, phases, ratios: bool,
               update: bool, emulate_fp16: bool, mode: dict | None) -> StepTrace:
     loop = reached.loop
@@ -230,9 +196,6 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
                 feed = _CastFeed(feed, cast, None if cast is torch.float64 else loop.target.weights.dtype)
             if source_of_node is not None:  # anomaly mode records each node's forward stack
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
-            if fp32_module:
-                stack.enter_context(_fp32_island(loop.target.model, fp32_module,
-                                                 loop.target.weights.dtype if loop.target.pure else None))
             with tracker if tracker is not None else contextlib.nullcontext():
                 outcome: StepOutcome = loop.run(feed, options)
             # measured before the stack exits: leaving float64 puts the weights back
@@ -258,20 +221,17 @@ def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
 
 
 class _CastFeed:
-    """The recorded micro-batches with floating tensors (of dtype ``only``; all where None) cast to ``dtype``."""
+    """The recorded micro-batches with floating tensors (of dtype ``only``; all where None) cast to ``dtype``;
+    every other attribute (read or set) is the inner feed's."""
 
     def __init__(self, inner, dtype: torch.dtype, only: torch.dtype | None):
-        self.inner = inner
-        self.step = inner.step
-        self.dtype, self.only = dtype, only
+        self.__dict__.update(inner=inner, dtype=dtype, only=only)
 
-    @property
-    def on_micro(self):
-        return self.inner.on_micro
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
-    @on_micro.setter
-    def on_micro(self, fn):
-        self.inner.on_micro = fn
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.inner, name, value)
 
     def get(self, j: int):
         item = self.inner.get(j)
@@ -279,16 +239,6 @@ class _CastFeed:
             return None
         return map_tensors(item, lambda t: t.to(self.dtype) if t.is_floating_point()
                            and (self.only is None or t.dtype == self.only) else t)
-
-    def finish(self) -> None:
-        self.inner.finish()
-
-    def count(self) -> int:
-        return self.inner.count()
-
-    @property
-    def position(self):
-        return self.inner.position
 
 
 def resolve_backward_source(target, reached: Reached, trace: StepTrace, *, where: str) -> StepTrace | None:
