@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,10 @@ from ..reach.entry import Loaded, load_target
 from ..base.errors import UsageError, UserCodeError
 from ..remedy.fixes import attach
 from ..remedy.horizon import verify_over_horizon
-from ..remedy.change import Remedy
 from ..locate.instrument import Event, Probe
 from ..base.precision import Precision, describe_device, device_of, limits, parse_precision
 from ..reach.replay import NoBadStep, Reached, reach
-from ..base.report import Cause, Finding, Fix, Origin, Phase, PrecisionResult, Report, Status
+from ..base.report import Cause, Origin, Phase, PrecisionResult, Report, Status
 from ..locate.rerun import StepTrace, resolve_backward_source, run_step
 from ..judge.shift import batch_shift
 from ..reach.state import borrows_globals
@@ -54,10 +54,8 @@ def _probe_for(e: Event | None) -> Probe | None:
 
 
 def _result(t: StepTrace) -> PrecisionResult:
-    if t.error:
-        return PrecisionResult(precision=t.precision.value, loss=None, finite=False, note=t.error)
-    if not t.applied:
-        return PrecisionResult(precision=t.precision.value, loss=None, finite=False, note=t.note)
+    if t.error or not t.applied:
+        return PrecisionResult(precision=t.precision.value, loss=None, finite=False, note=t.error or t.note)
     rec = t.record
     finite = t.finite and not (t.trace and t.trace.events)
     return PrecisionResult(precision=t.precision.value, loss=rec.loss, finite=finite,
@@ -70,11 +68,7 @@ _FWD_BWD = frozenset({Phase.FORWARD, Phase.BACKWARD})
 def _update_suspect(reached: Reached) -> bool:
     """The replayed step's weights went non-finite with a finite loss and gradient norm."""
     r = reached.record
-    if r is None or r.finite:
-        return False
-    loss_ok = r.loss is None or math.isfinite(r.loss)
-    norm_ok = r.grad_norm is None or math.isfinite(r.grad_norm)
-    return loss_ok and norm_ok
+    return r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
 
 
 def _healthy(loaded: Loaded, done: NoBadStep, prec: Precision, device: torch.device, cfg: Config, command: str,
@@ -177,8 +171,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     update = target.step_fn is not None or reached.record is None or _update_suspect(reached) \
         or reached.status is Status.SPIKE
     deferred = {"auto": None, "on": True, "off": False}[cfg.run.deferred_checks]
-    main = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False, phases=phases,
-                    update=update, deferred=deferred)
+    rerun = functools.partial(run_step, target, reached, where=where, tolerate_errors=True, restore_after=False)
+    main = rerun(prec, phases=phases, update=update, deferred=deferred)
     if main.exc is not None and not raised:
         if reached.record is not None:
             raise main.exc   # the rerun raised where the replay did not: report the user's error as it is
@@ -188,8 +182,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
             and not (main.trace and main.trace.events):
         progress(f"the update of step {reached.step} made the weights non-finite: rerunning it with the update "
                  "instrumented")
-        upd = run_step(target, reached, prec, where=where, tolerate_errors=True, restore_after=False,
-                       phases=frozenset({Phase.UPDATE}), ratios=False, deferred=deferred)
+        upd = rerun(prec, phases=frozenset({Phase.UPDATE}), ratios=False, deferred=deferred)
         if upd.trace is not None:
             main.trace.events.extend(upd.trace.events)
         comparable.append((f"update-instrumented {prec.value}", upd))
@@ -206,8 +199,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda)
     if fid.reproduced is False:
         progress(f"rerun of step {reached.step} differs from the replay: rerunning it once more")
-        second = run_step(target, reached, prec, where=where, instrument=False, tolerate_errors=True,
-                          restore_after=False, ratios=False, update=update)
+        second = rerun(prec, instrument=False, ratios=False, update=update)
         fid = fidelity.check(reached, comparable, device, cfg.run.fidelity_rtol_cuda, again=second)
     evidence_found = bool(main.trace and main.trace.events) or any(p.level == "error" for p in data) \
         or explains(reached.error)
@@ -224,12 +216,10 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     if prec is not ref_prec and prec.low:
         probe = _probe_for(main.origin)
         progress(f"rerunning step {reached.step} in {ref_prec.value} (reference)")
-        reference = run_step(target, reached, ref_prec, where=where, probe=probe, tolerate_errors=True,
-                             restore_after=False, phases=_FWD_BWD, ratios=False, update=update,
-                             instrument=main.origin is not None, deferred=deferred)
+        reference = rerun(ref_prec, probe=probe, phases=_FWD_BWD, ratios=False, update=update,
+                          instrument=main.origin is not None, deferred=deferred)
         if main.origin is None and not reference.finite and not reference.error:
-            reference = run_step(target, reached, ref_prec, where=where, tolerate_errors=True, restore_after=False,
-                                 phases=_FWD_BWD, ratios=False, update=update, deferred=deferred)
+            reference = rerun(ref_prec, phases=_FWD_BWD, ratios=False, update=update, deferred=deferred)
     traces: dict[str, StepTrace] = {prec.value: main}
     skipped_notes: list[str] = []
     if reference is not None:
@@ -243,8 +233,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                                  "nanprobe compare-precisions or --device cuda show it)")
             continue
         progress(f"rerunning step {reached.step} in {name}")
-        traces[name] = run_step(target, reached, p, where=where, instrument=False, tolerate_errors=True,
-                                restore_after=False, ratios=False, update=update)
+        traces[name] = rerun(p, instrument=False, ratios=False, update=update)
     ev = Evidence(reached=reached, main=main, reference=reference, probe=probe,
                   others={k: v for k, v in traces.items() if k not in (prec.value,)}, data=data, cfg=cfg.run,
                   entry=loaded.entry)
@@ -252,16 +241,13 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     findings, onset = mechanism_findings(findings, trend=reached.trend, status=reached.status, step=reached.step,
                                          breakaway=reached.breakaway, ranges=main.trace.ranges if main.trace else (),
                                          prec=prec, origin_module=main.origin.module if main.origin else None)
-
-    def verify(top: Finding, candidates: list[tuple[Fix, Remedy | None]]) -> list[Fix]:
-        return verify_over_horizon(loaded, reached, top.onset, candidates, cfg, progress)
-
     if reached.onset is not None and reached.onset != reached.step:
         began = [n for n in reached.notes if n.startswith(f"step {reached.onset} ")]
         later = [n for n in reached.notes if "did not recover" in n and not n.startswith(f"step {reached.onset} ")]
         findings = [dataclasses.replace(f, onset=reached.onset, evidence=f.evidence + tuple(
             f"onset: {n}" for n in began[:1]) + tuple(later[:1])) for f in findings]
-    findings = attach(findings, ev, verify if cfg.run.verify_fixes else None)   # from the onset, where there is one
+    findings = attach(findings, ev, (lambda top, candidates: verify_over_horizon(   # from the top finding's onset
+        loaded, reached, top.onset, candidates, cfg, progress)) if cfg.run.verify_fixes else None)
     if fid.reproduced is False:
         findings = [f if f.cause is Cause.NOT_REPRODUCED else dataclasses.replace(
             f, confidence=round(f.confidence * 0.6, 3),
@@ -270,11 +256,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         findings.sort(key=lambda f: -f.confidence)
     status = reached.status
     skip_note = scaler_skip_note(ev)   # GradScaler's normal skip: the scale overflowed, not the model
-    if status is Status.FINITE and not skip_note and (main.trace and main.trace.events or not main.finite):
+    if status is Status.FINITE and (not skip_note and (main.trace and main.trace.events or not main.finite)
+                                    or any(p.level == "error" for p in data)):
         status = Status.NONFINITE
-    if status is Status.FINITE and data and any(p.level == "error" for p in data):
-        status = Status.NONFINITE
-    context = _context(main, cfg.run.context_modules)
     notes = list(reached.notes) + skipped_notes + ([skip_note] if skip_note else [])
     error_line = None
     if raised:
@@ -292,7 +276,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   device=describe_device(device), precision=prec.value,
                   origin=None if skip_note else origin_of(main.origin or _entered_origin(main, findings), prec.value),
                   findings=tuple(findings), precisions={k: _result(v) for k, v in traces.items()},
-                  context=context, history=history,
+                  context=_context(main, cfg.run.context_modules), history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy,
                                                                   target.pure and prec is target.weights),
                   reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
@@ -310,9 +294,8 @@ def _entered_origin(t: StepTrace, findings: list) -> Event | None:
 
 def mark_masked(t: StepTrace) -> None:
     """Forward events whose values never reached a non-finite loss were masked."""
-    if t.trace is None or t.record is None:
-        return
-    if t.record.loss is not None and math.isfinite(t.record.loss):   # None: the step_fn returned no loss
+    if t.trace is not None and t.record is not None and t.record.loss is not None \
+            and math.isfinite(t.record.loss):   # None: the step_fn returned no loss
         for e in t.trace.events:
             if e.phase.value == "forward":
                 e.masked = True
@@ -352,8 +335,6 @@ def diagnose(entry: str, *, at: int | None = None, precision: str | None = None,
     The state comes from ``capsule`` (a file nanprobe.Guard wrote), else from a capsule for step
     ``at`` in guard.capsule_dir, else from replay (or the target's load_state).
     """
-    from dataclasses import replace
-
     from ..capsule import capsule_reach
     loaded = load_target(entry, device=device)
     config = config or load_config()
@@ -363,8 +344,8 @@ def diagnose(entry: str, *, at: int | None = None, precision: str | None = None,
     report = diagnose_target(loaded, at=at, precision=precision, config=config, max_steps=max_steps,
                              on_progress=on_progress, policy=policy, reached=reached)
     if extra:
-        report = replace(report, extra={**report.extra, **extra})
-    return replace(report, notes=tuple(notes) + report.notes) if notes else report
+        report = dataclasses.replace(report, extra={**report.extra, **extra})
+    return dataclasses.replace(report, notes=tuple(notes) + report.notes) if notes else report
 
 
 __all__ = ["diagnose", "diagnose_target", "origin_of"]

@@ -22,17 +22,18 @@ with a problem. Measured on CPU, an op that runs rarely costs ~10x an op that ru
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..base.version import __version__
-from ..base.batch import clone_batch, iter_tensors, key_name
+from ..base.batch import clone_batch, iter_tensors, key_name, map_tensors
 from ..judge.checks import (BOOL, FLOAT, FLOAT_MASK, INT, LABEL, LOSS_MASK, MASK, PAD_MASK, WARNING_CODES, DataProblem, Leaf,
                      Stats, _measure, is_ragged, leaf_problems, leaves, sample_rows, suspect)
 from ..base.config import Config, ScanConfig, load_config
@@ -80,11 +81,7 @@ class KeySummary:
         integral = self.role not in (FLOAT, FLOAT_MASK)
 
         def num(x):
-            if x is None:
-                return None
-            if integral and math.isfinite(x) and x == int(x):
-                return int(x)
-            return _num(x)
+            return int(x) if integral and x is not None and math.isfinite(x) and x == int(x) else _num(x)
 
         return {"role": self.role, "dtype": ", ".join(self.dtypes), "shape_min": list(self.shape_min),
                 "shape_max": list(self.shape_max), "ragged": self.ragged, "batches": self.batches,
@@ -111,11 +108,11 @@ class ScanResult:
 
     @property
     def errors(self) -> int:
-        return sum(s.problems.get(c, 0) for s in self.summary for c in s.problems if _is_error(c))
+        return sum(n for s in self.summary for c, n in s.problems.items() if c not in WARNING_CODES)
 
     @property
     def warnings(self) -> int:
-        return sum(n for s in self.summary for c, n in s.problems.items() if not _is_error(c))
+        return sum(n for s in self.summary for c, n in s.problems.items() if c in WARNING_CODES)
 
     @property
     def status(self) -> Status:
@@ -142,10 +139,6 @@ class ScanResult:
             "summary": {s.key: s.to_json() for s in self.summary},
             "notes": list(self.notes),
         }
-
-
-def _is_error(code: str) -> bool:
-    return code not in WARNING_CODES
 
 
 @dataclass(slots=True)
@@ -407,14 +400,13 @@ class Scanner:
 
     def drop(self, step: int, code: str) -> int:
         """Withdraw the problems of one code at one step (e.g. after discarding an inferred num_classes)."""
-        keep = [p for p in self.problems if not (p.step == step and p.code == code)]
         dropped = [p for p in self.problems if p.step == step and p.code == code]
         for p in dropped:
             ks = self.keys[p.key]
             ks.problems[p.code] -= 1
             if not ks.problems[p.code]:
                 del ks.problems[p.code]
-        self.problems = keep
+        self.problems = [p for p in self.problems if not (p.step == step and p.code == code)]
         self.total -= len(dropped)
         return len(dropped)
 
@@ -481,25 +473,9 @@ def first_sample(batch: Any) -> Any:
     if not sizes:
         return clone_batch(batch)
     size = sizes.most_common(1)[0][0]
-
-    def cut(obj: Any, top: bool) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return obj[:1].clone() if obj.dim() >= 1 and obj.shape[0] == size else obj.clone()
-        if isinstance(obj, Mapping):
-            items = {k: cut(v, False) for k, v in obj.items()}
-            return items if type(obj) is dict else type(obj)(items)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return dataclasses.replace(obj, **{f.name: cut(getattr(obj, f.name), False)
-                                               for f in dataclasses.fields(obj) if f.init})
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(cut(v, False) for v in obj))
-        if isinstance(obj, (list, tuple)):
-            if is_ragged(obj, top):
-                return type(obj)(v.clone() for v in obj[:1])
-            return type(obj)(cut(v, False) for v in obj)
-        return obj
-
-    return cut(batch, True)
+    return map_tensors(batch, lambda t: t[:1].clone() if t.dim() >= 1 and t.shape[0] == size else t.clone(),
+                       ragged=lambda items, top: type(items)(v.clone() for v in items[:1])
+                       if is_ragged(items, top) else None)
 
 
 # -- the library call -----------------------------------------------------------------------------
@@ -509,10 +485,6 @@ def _loaded(entry_or_loaded: str | Loaded | Target) -> Loaded:
     if isinstance(entry_or_loaded, Target):
         return Loaded(target=entry_or_loaded, entry="(Target)", module="", function="", path=None, lineno=None)
     return load_target(entry_or_loaded)
-
-
-def _params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 @borrows_globals
@@ -579,8 +551,7 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
         if rng_before is not None and feed.position.index != 0 and not torch.equal(rng_before, torch.get_rng_state()):
             draws = True
         k = feed.step
-        j = 0
-        while True:
+        for j in itertools.count():
             if limit is not None and scanned >= limit:
                 at_limit = True
                 break
@@ -593,7 +564,7 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
             if scanned == 0:
                 device = next((t.device for _, t in iter_tensors(batch)), None)
                 if num_classes is None and scfg.infer_num_classes and _has_labels(batch) \
-                        and _params(target.model) <= scfg.infer_max_params:
+                        and sum(p.numel() for p in target.model.parameters()) <= scfg.infer_max_params:
                     inferred = infer_num_classes(target, batch)
                     if inferred is not None:
                         num_classes, source = inferred, "model output width"
@@ -608,12 +579,10 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
                 if scanner.num_classes is None:
                     num_classes = source = None
             scanned += 1
-            j += 1
             if on_progress is not None:
                 on_progress(scanned, total, scanner.total)
         if at_limit:
             break
-    step = scanned
     if stream.end_note and is_callable:
         notes.append(stream.end_note)
     if draws:
@@ -625,14 +594,14 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
         notes.append("epochs after the first are shuffled from the global RNG state that training leaves; "
                      "scan-data does not train, so their batch order can differ from training (nanprobe run "
                      "replays the exact order)")
-    complete = not at_limit or (not is_callable and _exhausted(target, step))
+    complete = not at_limit or (not is_callable and _exhausted(target, scanned))
     scanner.finish()
-    if step == 0:
+    if scanned == 0:
         raise UsageError("batches yielded no batch: nothing was checked", loaded.where,
                          "Give the target at least one batch")
     device = device or device_of(target.model)
     return ScanResult(entry=loaded.entry, device=describe_device(device), precision=prec.value,
-                      batches_scanned=step, complete=complete, problems=tuple(scanner.problems),
+                      batches_scanned=scanned, complete=complete, problems=tuple(scanner.problems),
                       problems_total=scanner.total, summary=tuple(k.summary() for k in scanner.keys.values()),
                       num_classes=num_classes, num_classes_source=source, ignore_index=ignore_index,
                       range_max=range_max, notes=tuple(notes))
@@ -640,12 +609,8 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
 
 def _shuffles_from_global_rng(batches: Any) -> bool:
     """A DataLoader whose order (sampler seed) or worker seeds come from the global torch RNG."""
-    sampler = getattr(batches, "sampler", None)
-    bs = getattr(getattr(batches, "batch_sampler", None), "sampler", None)
-    for smp in (sampler, bs):
-        if smp is not None and type(smp).__name__ == "RandomSampler" and getattr(smp, "generator", None) is None:
-            return True
-    return False
+    samplers = (getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
+    return any(type(smp).__name__ == "RandomSampler" and getattr(smp, "generator", None) is None for smp in samplers)
 
 
 def _exhausted(target: Target, limit: int) -> bool:

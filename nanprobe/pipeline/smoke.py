@@ -30,9 +30,6 @@ from ..base.report import Report, Status
 from ..reach.state import borrows_globals
 from ..reach.target import Target, call_user, check_precision, validate
 
-CHECKS = ("entry", "finite", "spike")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Check:
     """One JUnit test case: a named check and its outcome."""
@@ -159,9 +156,7 @@ def _load(obj: Any) -> tuple[Loaded, str | None]:
 def _smoke_replay_config(cfg: Config) -> ReplayConfig:
     """Smoke judges steps with the guard's thresholds (it stands for the guarded training run)."""
     g = cfg.guard
-    same = ("min_history", "loss_spike_factor", "grad_spike_factor", "spike_z", "extreme_factor", "extreme_z",
-            "persist_steps", "runaway_factor", "baseline_steps", "rise_floor", "min_scale", "max_scale_drop",
-            "max_scaler_skips", "history")
+    same = {f.name for f in dataclasses.fields(g)} & {f.name for f in dataclasses.fields(cfg.replay)}
     # the guard never measures |dw|/|w| (it copies no weights): neither does smoke's judge
     return dataclasses.replace(cfg.replay, spike_window=g.window, update_ratio_limit=float("inf"),
                                **{k: getattr(g, k) for k in same})
@@ -228,18 +223,15 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
 
 def _result(entry: str, steps: int, steps_run: int, report: Report, capsule: str | None, command: str | None,
             skips: int, started: float, notes: tuple[str, ...]) -> SmokeResult:
-    head = headline(report, steps_run)
-    detail = describe(report, steps_run, capsule=capsule, command=command, notes=notes)
-    bad = report.status is not Status.FINITE
-    finite_failed = bad and report.status is not Status.SPIKE
-    spike_failed = report.status is Status.SPIKE
-    checks = (
-        Check(name="entry", title=f"{entry} builds a valid target", passed=True),
-        Check(name="finite", title=f"{steps} steps from scratch: loss, gradients and weights finite",
-              passed=not finite_failed, message=head if finite_failed else "", detail=detail if finite_failed else ""),
-        Check(name="spike", title="no loss or gradient-norm spike", passed=not spike_failed,
-              message=head if spike_failed else "", detail=detail if spike_failed else ""),
-    )
+    def check(name: str, title: str, failed: bool) -> Check:
+        return Check(name=name, title=title, passed=not failed, message=headline(report, steps_run) if failed else "",
+                     detail=describe(report, steps_run, capsule=capsule, command=command, notes=notes) if failed else "")
+
+    spike = report.status is Status.SPIKE
+    checks = (check("entry", f"{entry} builds a valid target", False),
+              check("finite", f"{steps} steps from scratch: loss, gradients and weights finite",
+                    report.status is not Status.FINITE and not spike),
+              check("spike", "no loss or gradient-norm spike", spike))
     return SmokeResult(entry=entry, steps=steps, steps_run=steps_run, report=report, checks=checks, capsule=capsule,
                        command=command, scaler_skips=skips, seconds=time.perf_counter() - started, notes=notes)
 
@@ -253,14 +245,10 @@ def junit_xml(result: SmokeResult | None, *, entry: str | None = None, error: st
     carries an <error> and the others are skipped.
     """
     name = result.entry if result is not None else (entry or "ENTRY")
-    if result is not None:
-        checks = result.checks
-        seconds = result.seconds
-    else:
-        checks = (Check(name="entry", title=f"{name} builds a valid target", passed=None, message=error or "error"),
-                  Check(name="finite", title="steps finite", passed=None),
-                  Check(name="spike", title="no loss or gradient-norm spike", passed=None))
-        seconds = 0.0
+    checks, seconds = (result.checks, result.seconds) if result is not None else (
+        (Check(name="entry", title=f"{name} builds a valid target", passed=None, message=error or "error"),
+         Check(name="finite", title="steps finite", passed=None),
+         Check(name="spike", title="no loss or gradient-norm spike", passed=None)), 0.0)
     failures = sum(1 for c in checks if c.passed is False)
     errors = 1 if result is None else 0
     skipped = sum(1 for c in checks if c.passed is None) - errors
