@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the typer release
     import click
 
 from ..base.version import __version__
-from ..base.config import Config, load_config
+from ..base.config import load_config
 from ..base.errors import EXIT_INTERNAL, EXIT_USAGE, NanprobeError, UsageError
 from ..base.report import dumps
 
@@ -88,9 +88,6 @@ CapsuleOpt = Annotated[Optional[Path], typer.Option("--capsule", metavar="PATH",
                                                          "a capsule file, or a sharded capsule's directory "
                                                          "(FSDP/DDP; replayed on one process, naming the rank).")]
 
-_debug = False
-
-
 def console(stderr: bool = False) -> Console:
     width = int(os.environ.get("COLUMNS", "0") or 0) or None
     return Console(stderr=stderr, width=width or (None if sys.stdout.isatty() else 120), highlight=False)
@@ -101,8 +98,7 @@ def handles_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        global _debug
-        _debug = bool(kwargs.get("debug"))
+        debug = bool(kwargs.get("debug"))
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
@@ -111,13 +107,13 @@ def handles_errors(fn):
             print("nanprobe: interrupted (nothing was written).", file=sys.stderr)
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except NanprobeError as err:
-            if _debug:
+            if debug:
                 traceback.print_exc()
             print(f"nanprobe: error: {err.message}", file=sys.stderr)
             _error_json(fn.__name__, kwargs, err.message, err.exit_code)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:  # noqa: BLE001 - a bug in nanprobe
-            if _debug:
+            if debug:
                 traceback.print_exc()
             line = f"internal error: {type(err).__name__}: {err}. This is a bug in nanprobe; rerun with --debug " \
                    "and report the output"
@@ -128,25 +124,17 @@ def handles_errors(fn):
     return wrapper
 
 
-_COMMANDS = {"run_cmd": "run", "smoke_cmd": "smoke", "compare_cmd": "compare-precisions", "scan_data_cmd": "scan-data",
-             "watch_cmd": "watch"}
-
-
 def _error_json(fn_name: str, kwargs: dict, message: str, code: int) -> None:
     """With --json, a CI system still gets a report: status "error", the message, the exit code."""
     out = kwargs.get("json_out")
     if not out:
         return
-    data = {"schema": 1, "nanprobe": __version__, "command": _COMMANDS.get(fn_name, fn_name),
+    data = {"schema": 1, "nanprobe": __version__, "command": next((c.name for c in app.registered_commands if c.callback.__name__ == fn_name), fn_name),
             "entry": kwargs.get("entry"), "status": "error", "error": message, "exit_code": code, "findings": []}
     try:
         emit_json(data, out)
     except NanprobeError:
         pass   # the --json path itself is the problem: the one line above says enough
-
-
-def config_from(path: Path | None) -> Config:
-    return load_config(path)
 
 
 def emit_json(data: dict, json_out: str | None) -> None:
@@ -166,14 +154,31 @@ def emit_json(data: dict, json_out: str | None) -> None:
         raise UsageError(f"cannot write {json_out}: {exc.strerror}", "--json", "Give a writable path") from None
 
 
-@contextlib.contextmanager
-def quiet_stdout(json_out: str | None):
-    """Under ``--json -`` stdout carries only the JSON: what the user's code prints goes to stderr."""
-    if json_out == "-":
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    else:
-        yield
+def _call(fn, json_out: str | None, progress, *args, **kwargs):
+    """``fn(*args, on_progress=progress, **kwargs)``; under ``--json -`` what the user's code prints goes to
+    stderr (stdout carries only the JSON). The progress display stops after, errors too."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if json_out == "-" else contextlib.nullcontext():
+            return fn(*args, on_progress=progress, **kwargs)
+    finally:
+        if progress:
+            progress.stop()
+
+
+def _finish(result, json_out: str | None, render) -> None:
+    """Render (unless ``--json -``), write the JSON, exit with the result's code."""
+    if json_out != "-":
+        render()
+    emit_json(result.to_json(), json_out)
+    raise typer.Exit(result.exit_code)
+
+
+def _check_plot(plot: Path | None) -> None:
+    if plot is not None:
+        from ..compare import require_matplotlib
+        if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
+        require_matplotlib()
 
 
 def _same_stream() -> bool:
@@ -190,31 +195,28 @@ def progress_printer(json_out: str | None, every: float = 10.0):
     seconds. Off under ``--json -`` when stderr and stdout are the same file."""
     if json_out == "-" and (sys.stderr.isatty() or _same_stream()):
         return None
-    if not sys.stderr.isatty():
-        return _plain_progress(every) if every > 0 else None
-    err = console(stderr=True)
-    status = err.status("nanprobe: starting")
-    status.start()
+    if sys.stderr.isatty():
+        status = console(stderr=True).status("nanprobe: starting")
+        status.start()
 
-    def update(msg: str) -> None:
-        status.update(f"nanprobe: {msg}")
+        def update(msg: str) -> None:
+            status.update(f"nanprobe: {msg}")
 
-    update.stop = status.stop  # type: ignore[attr-defined]
-    return update
-
-
-def _plain_progress(every: float):
+        update.stop = status.stop  # type: ignore[attr-defined]
+        return update
+    if every <= 0:
+        return None
     start = time.monotonic()
     last = [start]
 
-    def update(msg: str) -> None:
+    def plain(msg: str) -> None:
         now = time.monotonic()
         if now - last[0] >= every:
             last[0] = now
             print(f"nanprobe: {msg} ({now - start:.0f} s)", file=sys.stderr, flush=True)
 
-    update.stop = lambda: None  # type: ignore[attr-defined]
-    return update
+    plain.stop = lambda: None  # type: ignore[attr-defined]
+    return plain
 
 
 TrajectoryPlotOpt = Annotated[Optional[Path], typer.Option(
@@ -231,34 +233,25 @@ def run_cmd(entry: EntryArg, at: AtOpt = None, precision: PrecisionOpt = None, j
             device: DeviceOpt = None, plot: TrajectoryPlotOpt = None) -> None:
     """Reach the step (capsule, load_state or replay from step 0), rerun it instrumented, explain it, suggest fixes."""
     from ..pipeline.diagnose import diagnose  # torch is imported lazily so --help stays fast
+    from .render import render_report
     _check_precision(precision)
-    if plot is not None:
-        from ..compare import require_matplotlib
-        if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
-            raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
-        require_matplotlib()
+    _check_plot(plot)
     if autocast_policy not in ("native", "cuda"):
         raise UsageError(f"unknown autocast policy {autocast_policy!r}", "--autocast-policy", "Use native or cuda")
-    cfg = config_from(config)
-    progress = progress_printer(json_out, cfg.run.progress_every)
-    try:
-        with quiet_stdout(json_out):
-            report = diagnose(entry, at=at, precision=precision, config=cfg, max_steps=max_steps,
-                              on_progress=progress, policy=autocast_policy,
-                              capsule=None if capsule is None else str(capsule), device=device)
-    finally:
-        if progress:
-            progress.stop()
+    cfg = load_config(config)
+    report = _call(diagnose, json_out, progress_printer(json_out, cfg.run.progress_every), entry, at=at,
+                   precision=precision, config=cfg, max_steps=max_steps, policy=autocast_policy,
+                   capsule=None if capsule is None else str(capsule), device=device)
     if plot is not None and report.trajectory:
         from ..compare import plot_trajectory
         plot_trajectory(report.trajectory, plot, title=f"nanprobe run: {report.entry} step {report.step}")
-    if json_out != "-":
-        from .render import render_report
+
+    def render() -> None:
         render_report(report, console(), verbose=verbose)
         if plot is not None:
             console().print(f"[dim]{'plot written to ' + str(plot) if report.trajectory else 'no plot: no precursor left its band (no trajectory)'}[/]")
-    emit_json(report.to_json(), json_out)
-    raise typer.Exit(report.exit_code)
+
+    _finish(report, json_out, render)
 
 
 StepsOpt = Annotated[int, typer.Option("--steps", "-n", help="Training steps to run from scratch.")]
@@ -276,24 +269,19 @@ def smoke_cmd(entry: EntryArg, steps: StepsOpt = 20, precision: PrecisionOpt = N
               verbose: VerboseOpt = False, debug: DebugOpt = False) -> None:
     """CI check: train N steps from scratch under nanprobe.Guard; exit 1 with the diagnosis of the first bad step."""
     from ..pipeline.smoke import smoke, write_junit
+    from .render import render_smoke
     _check_precision(precision)
     if steps < 1:
         raise UsageError(f"--steps {steps} is not a positive number of steps", "--steps", "Give N >= 1")
-    cfg = config_from(config)
-    progress = progress_printer(json_out, cfg.run.progress_every)
+    cfg = load_config(config)
     try:
-        with quiet_stdout(json_out):
-            result = smoke(entry, steps=steps, precision=precision, config=cfg, capsule_dir=capsule_dir,
-                           on_progress=progress)
+        result = _call(smoke, json_out, progress_printer(json_out, cfg.run.progress_every), entry, steps=steps,
+                       precision=precision, config=cfg, capsule_dir=capsule_dir)
     except NanprobeError as err:
         if junit is not None:
             write_junit(junit, None, entry=entry, error=err.message)
         raise
-    finally:
-        if progress:
-            progress.stop()
     if json_out != "-":
-        from .render import render_smoke
         render_smoke(result, console(), verbose=verbose)
     emit_json(result.to_json(), json_out)
     if junit is not None:
@@ -316,31 +304,24 @@ def compare_cmd(entry: EntryArg, at: AtOpt = None, precisions: PrecisionsOpt = N
                 plot: PlotOpt = None, json_out: JsonOpt = None, config: ConfigOpt = None,
                 debug: DebugOpt = False) -> None:
     """Rerun the same step under fp64, fp32, tf32, bf16, fp16 and fp16+GradScaler; compare with the reference."""
-    from ..compare import compare_precisions, parse_precisions, plot_comparison, require_matplotlib
+    from ..compare import compare_precisions, parse_precisions, plot_comparison
+    from .render import render_comparison
     names = parse_precisions(precisions)
     if top is not None and top < 1:
         raise UsageError(f"--top {top} is not a positive count", "--top", "Give a number of modules >= 1")
-    if plot is not None:
-        if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
-            raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
-        require_matplotlib()
-    cfg = config_from(config)
-    progress = progress_printer(json_out, cfg.run.progress_every)
-    try:
-        with quiet_stdout(json_out):
-            result = compare_precisions(entry, at=at, precisions=names, top=top, config=cfg, on_progress=progress)
-    finally:
-        if progress:
-            progress.stop()
+    _check_plot(plot)
+    cfg = load_config(config)
+    result = _call(compare_precisions, json_out, progress_printer(json_out, cfg.run.progress_every), entry, at=at,
+                   precisions=names, top=top, config=cfg)
     if plot is not None:
         plot_comparison(result, plot)
-    if json_out != "-":
-        from .render import render_comparison
+
+    def render() -> None:
         render_comparison(result, console())
         if plot is not None:
             console().print(f"[dim]plot written to {plot}[/]")
-    emit_json(result.to_json(), json_out)
-    raise typer.Exit(result.exit_code)
+
+    _finish(result, json_out, render)
 
 
 LimitOpt = Annotated[Optional[int], typer.Option("--limit", metavar="N",
@@ -350,16 +331,10 @@ NumClassesOpt = Annotated[Optional[int], typer.Option("--num-classes", metavar="
                                                            "else the model's output width).")]
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 def _scan_progress(enabled: bool):
     """A rich progress bar (batches/s, problems found) on stderr; None when quiet."""
     if not enabled:
         return None
-    import time
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     bar = Progress(SpinnerColumn(), TextColumn("scanning"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[rate]:.0f} batches/s · {task.fields[problems]} problem(s)"),
@@ -385,21 +360,14 @@ def scan_data_cmd(entry: EntryArg, limit: LimitOpt = None, precision: PrecisionO
                   debug: DebugOpt = False) -> None:
     """Iterate the batches (no training) and report every NaN/Inf, empty, out-of-range or extreme value."""
     from ..pipeline.scan import scan_data
+    from .render import render_scan
     _check_precision(precision)
-    cfg = config_from(config)
-    progress = _scan_progress(json_out != "-" and sys.stderr.isatty() and not _in_ci())
-    try:
-        with quiet_stdout(json_out):
-            result = scan_data(entry, limit=limit, precision=precision, num_classes=num_classes, config=cfg,
-                               on_progress=progress)
-    finally:
-        if progress:
-            progress.stop()
-    if json_out != "-":
-        from .render import render_scan
-        render_scan(result, console())
-    emit_json(result.to_json(), json_out)
-    raise typer.Exit(result.exit_code)
+    cfg = load_config(config)
+    progress = _scan_progress(json_out != "-" and sys.stderr.isatty()
+                              and os.environ.get("CI", "").strip().lower() not in ("1", "true", "yes"))
+    result = _call(scan_data, json_out, progress, entry, limit=limit, precision=precision, num_classes=num_classes,
+                   config=cfg)
+    _finish(result, json_out, lambda: render_scan(result, console()))
 
 
 CommandArg = Annotated[Optional[list[str]], typer.Argument(metavar="-- COMMAND ARGS",
@@ -450,7 +418,7 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
         _watch_at(command or [], at, dirpath, json_out, config)
 
     from ..watch import watch
-    cfg = config_from(config)
+    cfg = load_config(config)
     log = logging.getLogger("nanprobe.watch")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -486,7 +454,7 @@ def _watch_at(command: list[str], at: int, dirpath: Path, json_out: str | None, 
     """``nanprobe watch --at N``: the report of step N rendered after the script's output; its exit code."""
     from .render import render_report
     from ..watch.at import watch_at
-    result = watch_at(command, at, dirpath=dirpath, json_out=json_out, config=config_from(config))
+    result = watch_at(command, at, dirpath=dirpath, json_out=json_out, config=load_config(config))
     render_report(result.report, console())
     print(result.summary(), file=sys.stderr)
     raise typer.Exit(result.exit_code)

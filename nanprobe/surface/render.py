@@ -108,11 +108,17 @@ def _one_screen(r: Report, console: Console) -> None:
                        "recent steps", style="dim"), no_wrap=True, overflow="ellipsis")
 
 
+def _grid() -> Table:
+    """Two columns, the label in bold: the rows of a verdict panel."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    return t
+
+
 def _verdict(r: Report) -> Panel:
     o = r.origin
-    lines = Table.grid(padding=(0, 2))
-    lines.add_column(style="bold")
-    lines.add_column()
+    lines = _grid()
     if r.status is Status.FINITE:
         title, style = "healthy: no NaN/Inf, no spike", "green"
         lines.add_row("step", g(r.step) if r.step is not None else "all replayed steps")
@@ -255,9 +261,7 @@ def render_smoke(result, console: Console, *, verbose: bool = False) -> None:
         for note in result.notes:
             console.print(f"[dim]note: {note}[/]")
         return
-    lines = Table.grid(padding=(0, 2))
-    lines.add_column(style="bold")
-    lines.add_column()
+    lines = _grid()
     losses = [h.loss for h in r.history if h.loss is not None and not h.skipped]
     lines.add_row("steps", f"{result.steps_run} of {result.steps} trained from scratch under nanprobe.Guard")
     if losses:
@@ -275,9 +279,7 @@ def render_comparison(cmp, console: Console) -> None:
     """`nanprobe compare-precisions`: one row per precision, the per-layer top-k tables, the recommendation."""
     bad = [name for name, r in cmp.precisions.items() if r.ran and not r.finite]
     title = "every precision finite" if not bad else f"non-finite in {', '.join(bad)}"
-    lines = Table.grid(padding=(0, 2))
-    lines.add_column(style="bold")
-    lines.add_column()
+    lines = _grid()
     lines.add_row("step", f"{cmp.step}  (reached by {cmp.reached_by})" if cmp.reached_by else str(cmp.step))
     lines.add_row("run", f"{cmp.entry}  ·  trains in {cmp.precision}  ·  {cmp.device}  ·  reference {cmp.reference}"
                   + (f"  ·  {cmp.autocast_policy}" if cmp.autocast_policy else ""))
@@ -352,9 +354,7 @@ def _shape_range(lo: tuple[int, ...], hi: tuple[int, ...]) -> str:
 def render_scan(result, console: Console, *, max_rows: int = 20) -> None:
     """`nanprobe scan-data`: verdict, the problems (step, key, samples), then the per-key summary."""
     r = result
-    lines = Table.grid(padding=(0, 2))
-    lines.add_column(style="bold")
-    lines.add_column()
+    lines = _grid()
     if r.errors:
         first = r.first_error_step
         title, style = (f"{r.errors} error(s), {r.warnings} warning(s); first bad batch at step {first}", "red")
