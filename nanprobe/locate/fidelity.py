@@ -55,14 +55,10 @@ def check(reached: Reached, reruns: list[tuple[str, StepTrace]], device: torch.d
     when the first disagreed (it tells carried state from a one-off difference)."""
     rtol = tolerance(device, rtol_cuda)
     tol = "bitwise" if rtol is None else f"rtol {rtol:g}"
-    rows = []
-    ok = True
-    for name, trace in reruns:
-        m = matches(reached, trace, rtol)
-        ok = ok and m
-        rows.append(dict(rerun=name, **_values(trace.record, trace), match=m))
     if not reruns:
         return Fidelity(reproduced=None, tolerance=tol, replayed=_values(reached.record))
+    rows = [dict(rerun=name, **_values(t.record, t), match=matches(reached, t, rtol)) for name, t in reruns]
+    ok = all(r["match"] for r in rows)
     reasons: list[str] = []
     if not ok:
         reasons = _reasons(reached, reruns, again, device, rtol)

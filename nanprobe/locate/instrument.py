@@ -549,7 +549,8 @@ class OriginTracker:
         trace.ops_checked += 1
         module = self._module_for_op()
         op = _op_name(func)
-        node_name = self._node_name()
+        node = torch._C._current_autograd_node() if self.phase is Phase.BACKWARD else None
+        node_name = node.name() if node is not None else None
         key = (self.phase, module, op, node_name)
         occ = self._occurrences.get(key, 0)
         self._occurrences[key] = occ + 1
@@ -623,7 +624,6 @@ class OriginTracker:
             file, line, code = user_source_frame()
             source = f"{file}:{line}" if file else None
         elif self.phase is Phase.BACKWARD:
-            node = torch._C._current_autograd_node()
             node_seq = node._sequence_nr() - self.base_seq if node is not None else None
         elif self.phase is Phase.UPDATE:
             # a foreach or fused op updates many parameters: the one named is the one whose tensor went
@@ -651,12 +651,6 @@ class OriginTracker:
             trace.entered = event
         else:
             trace.events.append(event)
-
-    def _node_name(self) -> str | None:
-        if self.phase is not Phase.BACKWARD:
-            return None
-        node = torch._C._current_autograd_node()
-        return node.name() if node is not None else None
 
     def _node_label(self) -> str | None:
         node = torch._C._current_autograd_node()

@@ -124,8 +124,7 @@ class ScanResult:
 
     @property
     def first_error_step(self) -> int | None:
-        steps = [p.step for p in self.problems if p.level == "error" and p.step is not None]
-        return min(steps) if steps else None
+        return min((p.step for p in self.problems if p.level == "error" and p.step is not None), default=None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -365,38 +364,34 @@ class Scanner:
         ks.zs.append(z)
         ks.judged += 1
         warm = self.cfg.warmup_batches
-        if ks.judged <= warm:
-            if z > self.cfg.zscore:   # judged once the key's typical z-score is known
-                ks.candidates.append(_Candidate(step=step, leaf=leaf, stats=st, median=ks.median,
-                                                scale=ks.scale, z=z))
-            if ks.judged == warm:
-                self._judge(ks)
-            return
-        if z > self.cfg.zscore and z > (limit := self._limit(ks)):
-            self._record(ks, self._outlier_problem(ks, step, leaf, st, ks.median, ks.scale, z, limit))
+        if z > self.cfg.zscore:
+            c = _Candidate(step=step, leaf=leaf, stats=st, median=ks.median, scale=ks.scale, z=z)
+            if ks.judged <= warm:   # judged once the key's typical z-score is known
+                ks.candidates.append(c)
+            elif z > (limit := self._limit(ks)):
+                self._record(ks, self._outlier_problem(ks, c, limit))
+        if ks.judged == warm:
+            self._judge(ks)
 
     def _limit(self, ks: _Key) -> float:
         return max(self.cfg.zscore, self.cfg.typical_factor * statistics.median(ks.zs))
 
     def _judge(self, ks: _Key) -> None:
-        if ks.candidates:
-            limit = self._limit(ks)
-            for c in ks.candidates:
-                if c.z > limit:
-                    self._record(ks, self._outlier_problem(ks, c.step, c.leaf, c.stats, c.median, c.scale, c.z,
-                                                           limit))
+        limit = self._limit(ks) if ks.candidates else math.inf
+        for c in ks.candidates:
+            if c.z > limit:
+                self._record(ks, self._outlier_problem(ks, c, limit))
         ks.candidates = []
 
-    def _outlier_problem(self, ks: _Key, step: int, leaf: Leaf, st: Stats, median: float, scale: float, z: float,
-                         limit: float) -> DataProblem:
-        x = leaf.tensor
-        bad = torch.isfinite(x) & ((x - median).abs() > limit * scale)
+    def _outlier_problem(self, ks: _Key, c: _Candidate, limit: float) -> DataProblem:
+        x, st, median = c.leaf.tensor, c.stats, c.median
+        bad = torch.isfinite(x) & ((x - median).abs() > limit * c.scale)
         count = int(bad.sum())
         value = st.max if st.max - median >= median - st.min else st.min
-        return DataProblem(code="outlier", level="warning", step=step, key=ks.key, count=count,
-                           samples=sample_rows(leaf, bad, self.cfg.max_examples), value=value,
+        return DataProblem(code="outlier", level="warning", step=c.step, key=ks.key, count=count,
+                           samples=sample_rows(c.leaf, bad, self.cfg.max_examples), value=value,
                            message=f"{ks.key} holds {count} extreme value(s) (e.g. {value:g}, robust z-score "
-                                   f"{z:.0f} vs median {median:.4g}, scale {scale:.3g}; limit {limit:.3g})")
+                                   f"{c.z:.0f} vs median {median:.4g}, scale {c.scale:.3g}; limit {limit:.3g})")
 
     def drop(self, step: int, code: str) -> int:
         """Withdraw the problems of one code at one step (e.g. after discarding an inferred num_classes)."""
@@ -563,7 +558,8 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
                 draws = True
             if scanned == 0:
                 device = next((t.device for _, t in iter_tensors(batch)), None)
-                if num_classes is None and scfg.infer_num_classes and _has_labels(batch) \
+                if num_classes is None and scfg.infer_num_classes \
+                        and any(leaf.role == LABEL for leaf in leaves(batch)) \
                         and sum(p.numel() for p in target.model.parameters()) <= scfg.infer_max_params:
                     inferred = infer_num_classes(target, batch)
                     if inferred is not None:
@@ -594,7 +590,8 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
         notes.append("epochs after the first are shuffled from the global RNG state that training leaves; "
                      "scan-data does not train, so their batch order can differ from training (nanprobe run "
                      "replays the exact order)")
-    complete = not at_limit or (not is_callable and _exhausted(target, scanned))
+    # at the limit, a sized iterable may still have been read to its end (all batches of all epochs)
+    complete = not at_limit or (not is_callable and per_epoch is not None and per_epoch * target.epochs <= scanned)
     scanner.finish()
     if scanned == 0:
         raise UsageError("batches yielded no batch: nothing was checked", loaded.where,
@@ -611,16 +608,6 @@ def _shuffles_from_global_rng(batches: Any) -> bool:
     """A DataLoader whose order (sampler seed) or worker seeds come from the global torch RNG."""
     samplers = (getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
     return any(type(smp).__name__ == "RandomSampler" and getattr(smp, "generator", None) is None for smp in samplers)
-
-
-def _exhausted(target: Target, limit: int) -> bool:
-    """A sized iterable of exactly ``limit`` batches (over all epochs) was read to its end."""
-    n = epoch_length(target.batches)
-    return n is not None and n * target.epochs <= limit
-
-
-def _has_labels(batch: Any) -> bool:
-    return any(leaf.role == LABEL for leaf in leaves(batch))
 
 
 def _check_inferred(scanner: Scanner, notes: list[str]) -> None:

@@ -211,11 +211,6 @@ def _adam_eps(f: Finding, ev: Evidence) -> Fix | None:
 LOWER_LR = 0.3   # the lower peak LR the mechanism fixes propose and verify: this times the run's
 
 
-def _peak(ev: Evidence) -> float | None:
-    lrs = lrs_seen(ev.reached)
-    return max(lrs) if lrs else None
-
-
 def ascent(f: Finding) -> bool:
     """The finding says the applied update climbs the gradient (an LR applied inside the optimizer below 0)."""
     return f.mechanism is Mechanism.LR_SCHEDULE and any("climbs the gradient" in e for e in f.evidence)
@@ -227,7 +222,7 @@ def ascent(f: Finding) -> bool:
 def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
     if ascent(f):
         return None
-    peak = _peak(ev)
+    peak = max(lrs_seen(ev.reached), default=None)
     was = f"  # was {peak:.3g}" if peak else ""
     lr = f"{peak * LOWER_LR:.3g}" if peak else f"{LOWER_LR} * peak_lr"
     longer = " or warm up longer" if f.mechanism is Mechanism.ATTENTION_LOGIT_GROWTH else ""

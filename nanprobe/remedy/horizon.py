@@ -96,19 +96,11 @@ def kept_learning(losses: list[tuple[int, float]], best: tuple[float, int, float
     tol = max(3 * sigma, 0.05 * abs(level))
     if now <= level + tol:
         return None
-    if still_falling(losses, tol):
+    if len(losses) >= 10 and now < statistics.median(v for _, v in losses[:5]) - tol:   # learning, slowly
         return (f"not yet back at the unfixed run's best level {level:.3g} (step {step}) by the horizon's end: its "
                 f"loss ends at {now:.3g} and is still falling")
     return (f"stopped learning: its loss ends at {now:.3g}, above the unfixed run's best level {level:.3g} "
             f"(step {step}) by more than the noise ({tol:.2g})")
-
-
-def still_falling(losses: list[tuple[int, float]], tol: float) -> bool:
-    """The run's last 5 losses (median) are below its first 5 by more than ``tol``: it is learning, slowly."""
-    if len(losses) < 10:
-        return False
-    first = statistics.median(v for _, v in losses[:5])
-    return statistics.median(v for _, v in losses[-5:]) < first - tol
 
 
 def came_back(losses: list[tuple[int, float]], level: tuple[float, int, float]) -> str | None:

@@ -73,13 +73,10 @@ def _fix_panel(fix, *, why: bool = True) -> Panel:
 
 def _stories(r: Report) -> list:
     """The findings, one per story: a finding with the cause, phase and module of one before it repeats it."""
-    seen, out = set(), []
+    first: dict[tuple, object] = {}
     for f in r.findings:
-        key = (f.cause, f.phase, f.module)
-        if key not in seen:
-            seen.add(key)
-            out.append(f)
-    return out
+        first.setdefault((f.cause, f.phase, f.module), f)
+    return list(first.values())
 
 
 def _one_screen(r: Report, console: Console) -> None:
