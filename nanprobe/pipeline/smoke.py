@@ -224,8 +224,10 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
 def _result(entry: str, steps: int, steps_run: int, report: Report, capsule: str | None, command: str | None,
             skips: int, started: float, notes: tuple[str, ...]) -> SmokeResult:
     def check(name: str, title: str, failed: bool) -> Check:
-        return Check(name=name, title=title, passed=not failed, message=headline(report, steps_run) if failed else "",
-                     detail=describe(report, steps_run, capsule=capsule, command=command, notes=notes) if failed else "")
+        if not failed:
+            return Check(name=name, title=title, passed=True)
+        return Check(name=name, title=title, passed=False, message=headline(report, steps_run),
+                     detail=describe(report, steps_run, capsule=capsule, command=command, notes=notes))
 
     spike = report.status is Status.SPIKE
     checks = (check("entry", f"{entry} builds a valid target", False),

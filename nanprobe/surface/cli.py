@@ -88,6 +88,7 @@ CapsuleOpt = Annotated[Optional[Path], typer.Option("--capsule", metavar="PATH",
                                                          "a capsule file, or a sharded capsule's directory "
                                                          "(FSDP/DDP; replayed on one process, naming the rank).")]
 
+
 def console(stderr: bool = False) -> Console:
     width = int(os.environ.get("COLUMNS", "0") or 0) or None
     return Console(stderr=stderr, width=width or (None if sys.stdout.isatty() else 120), highlight=False)
@@ -129,7 +130,8 @@ def _error_json(fn_name: str, kwargs: dict, message: str, code: int) -> None:
     out = kwargs.get("json_out")
     if not out:
         return
-    data = {"schema": 1, "nanprobe": __version__, "command": next((c.name for c in app.registered_commands if c.callback.__name__ == fn_name), fn_name),
+    command = next((c.name for c in app.registered_commands if c.callback.__name__ == fn_name), fn_name)
+    data = {"schema": 1, "nanprobe": __version__, "command": command,
             "entry": kwargs.get("entry"), "status": "error", "error": message, "exit_code": code, "findings": []}
     try:
         emit_json(data, out)
