@@ -410,6 +410,12 @@ class Breakaway:
         self.above_since: int | None = None
         self.n = 0
 
+    @classmethod
+    def of(cls, cfg: Any) -> Breakaway:
+        """The break-away of ``monitor.breakaway_*`` (configs/default.yaml)."""
+        return cls(window=cfg.breakaway_window, sigmas=cfg.breakaway_sigmas, rise=cfg.breakaway_rise,
+                   patience=cfg.breakaway_patience, min_steps=cfg.breakaway_min_steps)
+
     def add(self, loss: float, step: int) -> dict[str, Any] | None:
         """Add a finite loss; the break-away's facts when the run has broken away, else None."""
         if loss is None or not math.isfinite(loss):

@@ -635,6 +635,19 @@ class Trend:
         """A series' last ``baseline_samples`` values up to ``best`` (its level where the loss was at its best)."""
         return [x for s, x in pts if s <= best][-max(self.cfg.baseline_samples, 1):]
 
+    def precursor(self, facts: dict[str, Any], patience: int) -> str | None:
+        """What stands behind a break-away of the loss (``Judge``'s second signal, for replay, smoke and the live
+        guards): an independent monitor signal out of its band, or, judged over a longer stretch (a warm
+        restart's bump comes back, an LR jump that broke the run does not), an update size that rose past its
+        level at the loss's best step."""
+        self.best_step = facts["best_step"]
+        sig = self.behind(facts["step"], facts["best_step"])
+        if sig is not None:
+            return f"{sig.mechanism.value}: {sig.headline()}"
+        if facts["step"] - facts["since"] + 1 >= 3 * patience:
+            return self.update_rise(facts["best_step"], facts["since"])
+        return None
+
     def update_rise(self, best: int, since: int) -> str | None:
         """The update size |dw|/|w| over a break-away (from ``since``) against its level where the loss was best:
         ``UPDATE_RISE`` times higher is a sustained rise (an LR jump, a schedule gone wrong), or None."""

@@ -147,11 +147,8 @@ class StepCore:
         # the divergence model of replay and smoke, with the guard: thresholds; ``slow``: a slow divergence too,
         # by smoke's rule (the loss broke away from its best level, and a precursor or the gradient norm is
         # behind it), judged once per run
-        m = cfg.monitor
-        self.judge = Judge(self.gcfg, slow=Breakaway(window=m.breakaway_window, sigmas=m.breakaway_sigmas,
-                                                     rise=m.breakaway_rise, patience=m.breakaway_patience,
-                                                     min_steps=m.breakaway_min_steps)
-                           if slow and self.monitor is not None else None, second=self._precursor)
+        self.judge = Judge(self.gcfg, slow=Breakaway.of(cfg.monitor) if slow and self.monitor is not None else None,
+                           second=self._precursor)
         self.device_type = device_of(self.module).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
@@ -271,16 +268,7 @@ class StepCore:
         return verdict
 
     def _precursor(self, facts: dict[str, Any]) -> str | None:
-        """The precursor behind a break-away of the loss (as replay's): a monitor signal out of its band, or an
-        update size that rose past its level at the loss's best step, judged over a longer stretch."""
-        trend = self.monitor.trend
-        trend.best_step = facts["best_step"]
-        sig = trend.behind(facts["step"], facts["best_step"])
-        if sig is not None:
-            return f"{sig.mechanism.value}: {sig.headline()}"
-        if facts["step"] - facts["since"] + 1 >= 3 * self.judge.slow.patience:
-            return trend.update_rise(facts["best_step"], facts["since"])
-        return None
+        return self.monitor.trend.precursor(facts, self.judge.slow.patience)
 
     def unchecked(self) -> None:
         """A step that is not checked (guard.check_every) ran its update."""

@@ -232,9 +232,7 @@ class Replayer:
         on = monitor is not None and monitor.enabled
         self.monitor = Monitor(target.model, monitor, dtype=precision.dtype if precision.low else None,
                                activations=True) if on else None
-        self.judge = Judge(cfg, slow=Breakaway(window=monitor.breakaway_window, sigmas=monitor.breakaway_sigmas,
-                                               rise=monitor.breakaway_rise, patience=monitor.breakaway_patience,
-                                               min_steps=monitor.breakaway_min_steps) if on else None,
+        self.judge = Judge(cfg, slow=Breakaway.of(monitor) if on else None,
                            second=self._precursor if on else None)
         self.notes: list[str] = []
         self._observed = False
@@ -251,17 +249,7 @@ class Replayer:
             self.norms.append(dict(zip((n for n, _ in named), start)))
 
     def _precursor(self, facts: dict[str, Any]) -> str | None:
-        """The precursor behind a break-away of the loss: an independent monitor signal out of its band."""
-        trend = self.monitor.trend
-        trend.best_step = facts["best_step"]
-        sig = trend.behind(facts["step"], facts["best_step"])
-        if sig is not None:
-            return f"{sig.mechanism.value}: {sig.headline()}"
-        # a rise the step size explains is judged over a longer stretch: a warm restart's bump comes back, an LR
-        # jump that broke the run does not
-        if facts["step"] - facts["since"] + 1 >= 3 * self.judge.slow.patience:
-            return trend.update_rise(facts["best_step"], facts["since"])
-        return None
+        return self.monitor.trend.precursor(facts, self.judge.slow.patience)
 
     def light(self) -> _Light:
         return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],
