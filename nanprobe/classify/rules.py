@@ -146,7 +146,7 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     source = ev.reached.update_ratios or ev.main.update_ratios
     if grew and not (source and up_strength > grow_strength):
         module = grew.rsplit(".", 1)[0] if "." in grew else ""
-    elif source and strength:
+    elif source and strength and largest_update(ev) is not None:
         pname = largest_update(ev)
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
         owner = owning_group(ev, pname)
@@ -161,8 +161,9 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
 
 
 def largest_update(ev: Evidence) -> str | None:
-    """The parameter with the largest relative update |dw|/|w| near the step (None: none measured)."""
-    source = ev.reached.update_ratios or ev.main.update_ratios
+    """The parameter with the largest relative update |dw|/|w| near the step (None: none measured, or none
+    moved: a rerun with no optimizer to apply, as a hand-written update's, moves nothing)."""
+    source = {k: v for k, v in (ev.reached.update_ratios or ev.main.update_ratios or {}).items() if v != 0}
     if not source:
         return None
     return max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
