@@ -2,35 +2,26 @@
 
 The in-process diagnosis of ``watch`` reruns the root module's forward only: a NaN born in backward (the
 gradient of ``sqrt`` at 0) or in the optimizer update is caught at the right step but not located. This
-module re-executes the same script in this process (``runpy``, as ``watch`` does) with the step counting
-of ``watch`` (the guarded optimizer's steps 0, 1, ...; a GradScaler skip is a step) and nothing checked
-before step N (a Python call per optimizer step). From the first forward of the root module in step N (the
-first module called with gradients enabled once step N-1's update is over) to the end of step N's optimizer
-update, the run's own ops go through the instrumentation ``nanprobe run`` uses
-(:class:`nanprobe.locate.instrument.OriginTracker`, forward / backward / update phases, anomaly mode's forward
-lines for the backward nodes); then the script is stopped and the trace is classified with the same
-``classify`` and ``fixes`` code into the same JSON report.
+re-executes the script in this process (``runpy``, as ``watch`` does) with step N instrumented
+(:mod:`.armed`: ``watch``'s step counting, the instrumentation ``nanprobe run`` uses), then stops it and
+classifies the trace with the same ``classify`` and ``fixes`` code into the same JSON report.
 
-Determinism. torch's default generator starts from the same seed in every process, Python's ``random``
-and numpy's global generator do not: the first ``watch`` run stores their states at the script's start
-in its run record (JSON lines, ``<dir>/watch-*.run.jsonl``, a line per bad step, named in its reports) and
-``--at`` restores them. The record (found in ``--dir`` by command) also holds each bad step's loss,
-gradient norm and whether its update broke the weights, and the updates watch skipped: ``--at`` skips
-those again, compares step N with the watched run, and a rerun that differs says "not reproduced"
-instead of a diagnosis.
+Determinism. The watched run's record (:mod:`.record`, found in ``--dir`` by command) gives the script's
+start states of Python's ``random`` and numpy (torch's default generator starts from the same seed in every
+process, they do not), the updates watch skipped (skipped again) and step N's loss, gradient norm and
+whether its update broke the weights: a rerun that differs says "not reproduced" instead of a diagnosis.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import math
 import os
-import runpy
 import shlex
 import sys
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +77,7 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
              json_out: str | os.PathLike | None = None, config: Config | None = None) -> AtResult:
     """Re-execute ``python train.py ARGS`` in this process and explain its optimizer step ``at``
     (see the module docstring). The script's output goes where it would; it is stopped after step ``at``."""
-    from .run import _script_environment, parse_command
+    from .run import _script_environment, no_json_dash, print_error, parse_command, run_script
     if isinstance(at, bool) or not isinstance(at, int) or at < 0:
         raise UsageError(f"--at {at!r}", "nanprobe watch", "Give the optimizer step to explain (0, 1, ...), "
                                                            "as watch's log line numbers it")
@@ -97,9 +88,7 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
                                                 "FILE (its log line names it)")
     kind, target, args = parse_command(command)
     cfg = resolve_config(config, "nanprobe watch")
-    if json_out is not None and str(json_out) == "-":
-        raise UsageError("--json - would mix the report with the script's output", "--json",
-                         "Give a file: --json report.json")
+    no_json_dash(json_out)
     script_argv = [target, *args]
     found = find_run(dirpath, at, script_argv, command)
     notes: list[str] = []
@@ -132,25 +121,17 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
     with _script_environment(kind, target, args):
         with hooks:
             try:
-                if kind == "script":
-                    runpy.run_path(target, run_name="__main__")
-                else:
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
-            except Done:
-                pass
-            except SystemExit:
+                run_script(kind, target)
+            except (Done, SystemExit):
                 pass
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
-                traceback.print_exc()
-                script_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-    if hooks.arm_error is not None:
-        if hooks.snapshot is not None:
-            hooks.snapshot.release()
-        raise RuntimeError(f"instrumenting step {at} failed: {type(hooks.arm_error).__name__}: "
-                           f"{hooks.arm_error}") from hooks.arm_error
+                script_error = print_error(exc)
     try:
+        if hooks.arm_error is not None:
+            raise RuntimeError(f"instrumenting step {at} failed: {type(hooks.arm_error).__name__}: "
+                               f"{hooks.arm_error}") from hooks.arm_error
         report, reproduced = _report(hooks, at, command, expected, first, cfg, notes, restored, script_error)
     finally:
         if hooks.snapshot is not None:
@@ -158,7 +139,8 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
     data = report.to_json()
     data["watch"] = {"at": at, "argv": script_argv, "command": list(command), "restored": restored,
                      "skipped_before": skipped, "steps_reached": hooks.steps}
-    path = _write(data, dirpath, at)
+    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    path = write_new(Path(dirpath), f"at-step{at:07d}-{stamp}-{os.getpid()}", data)
     written = None
     if json_out is not None:
         Path(json_out).write_text(dumps(data) + "\n")
@@ -166,26 +148,12 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
     return AtResult(report=report, path=path, json=written, steps=hooks.steps, reproduced=reproduced)
 
 
-def _write(data: dict[str, Any], dirpath: str | os.PathLike, at: int) -> Path | None:
-    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-    return write_new(Path(dirpath), f"at-step{at:07d}-{stamp}-{os.getpid()}", data)
-
-
-def _kind(x: Any) -> str | float | None:
-    if x is None:
-        return None
-    if isinstance(x, str):
-        return x if x in ("nan", "inf", "-inf") else float(x)
-    x = float(x)
-    return _num(x) if not math.isfinite(x) else x
-
-
 def _matches(expected: Any, got: float | None, rtol: float) -> bool:
-    a, b = _kind(expected), _kind(got)
-    if a is None or b is None:
+    if expected is None or got is None:
         return True   # not measured on one side: nothing to compare
-    if isinstance(a, str) or isinstance(b, str):
-        return a == b
+    a, b = float(expected), float(got)   # the record writes non-finite values as "nan", "inf", "-inf"
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return _num(a) == _num(b)
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
 
 
@@ -204,8 +172,19 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     entry = shlex.join(command)
     first_status = Status(first["status"]) if first.get("status") in {s.value for s in Status} else None
     reason = first.get("reason")
+    saw = [f"the watched run saw {reason} at step {at}"] if reason else []
     what = "; restored at the start: " + ", ".join(restored) if restored else ""
     reached_by = f"nanprobe watch --at {at}: the script re-executed in-process, step {at} instrumented{what}"
+    report = functools.partial(Report, command="watch", entry=entry, step=at, reached_by=reached_by)
+
+    def not_reproduced(rows: list[str], device: torch.device | None = None,
+                       fidelity: Fidelity | None = None) -> tuple[Report, bool]:
+        finding = Finding(cause=Cause.NOT_REPRODUCED, confidence=0.9, phase=Phase.FORWARD, module=None, op=None,
+                          evidence=tuple(rows))
+        status = first_status if first_status not in (None, Status.FINITE) else Status.NONFINITE
+        return report(status=status, device=describe_device(device) if device is not None else "cpu",
+                      precision="fp32", findings=(finding,), notes=(rows[0], *notes), fidelity=fidelity), False
+
     partial = not hooks.done and script_error is not None and hooks.tracker is not None \
         and bool(hooks.tracker.trace.events)
     if partial:   # the script raised inside step N after a non-finite value was born (its own NaN check)
@@ -214,25 +193,22 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     if not hooks.done and not partial:
         why = f"the script raised before step {at} ended ({script_error})" if script_error else \
             f"the script ended after {hooks.steps} optimizer step(s), before step {at} ended"
-        rows = [f"not reproduced: {why}",
-                *([f"the watched run saw {reason} at step {at}"] if reason else []),
-                "the script takes another path when re-executed (arguments, files it reads or writes, the "
-                "time, unseeded generators other than Python random/numpy/torch, its data order)"]
-        return _not_reproduced(at, entry, first_status, rows, notes, reached_by, device=None), False
+        return not_reproduced([f"not reproduced: {why}", *saw,
+                               "the script takes another path when re-executed (arguments, files it reads or "
+                               "writes, the time, unseeded generators other than Python random/numpy/torch, its "
+                               "data order)"])
     if hooks.tracker is None:   # a functional model (parameters used without a module call)
         row = (f"not instrumented: no module holding the optimizer's parameters was called with gradients enabled "
                f"in step {at} (a functional model, or parameters used outside modules): --at arms at the model's "
                "first forward, or for a functional model at the end of the step before, which step 0 has not; "
                f"write an ENTRY with your loss_fn and run nanprobe run ENTRY --at {at}")
-        status = first_status if first_status is not None else Status.FINITE
-        return Report(command="watch", entry=entry, step=at, status=status, device="cpu", precision="fp32",
-                      notes=(row, *notes), reached_by=reached_by), None
-    root = hooks.root
-    device = device_of(root)
+        return report(status=first_status or Status.FINITE, device="cpu", precision="fp32",
+                      notes=(row, *notes)), None
+    device = device_of(hooks.root)
     prec = hooks.loop.precision
+    status = _status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
     rec = StepRecord(step=at, loss=hooks.loss, grad_norm=hooks.norm, lr=hooks.lr, update_ratio=None,
-                     finite=_status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
-                     is Status.FINITE, skipped=hooks.scaler_skipped)
+                     finite=status is Status.FINITE, skipped=hooks.scaler_skipped)
     got = {"loss": _num(hooks.loss), "grad_norm": _num(hooks.norm),
            "weights_nonfinite": None if hooks.weights_finite is None else not hooks.weights_finite}
     reproduced: bool | None = None
@@ -241,34 +217,27 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     if expected is not None and not hooks.measured:
         notes.append(f"not compared with the watched run: the script did not reach step {at}'s optimizer step")
     elif expected is not None:
-        mismatches = []
-        for key in ("loss", "grad_norm"):
-            if not _matches(expected.get(key), getattr(hooks, "loss" if key == "loss" else "norm"), rtol):
-                mismatches.append(f"{key.replace('_', ' ')} {expected.get(key)} in the watched run, "
-                                  f"{_num(getattr(hooks, 'loss' if key == 'loss' else 'norm'))} now")
+        reasons = [f"{key.replace('_', ' ')} {expected.get(key)} in the watched run, {_num(now)} now"
+                   for key, now in (("loss", hooks.loss), ("grad_norm", hooks.norm))
+                   if not _matches(expected.get(key), now, rtol)]
         if expected.get("weights_nonfinite") and hooks.weights_finite:
-            mismatches.append("the watched step's update made the weights non-finite, the rerun's did not")
-        reproduced = not mismatches
-        if mismatches:
-            reasons = mismatches
+            reasons.append("the watched step's update made the weights non-finite, the rerun's did not")
+        reproduced = not reasons
     fidelity = Fidelity(reproduced=reproduced, tolerance=f"rtol {rtol:g}", replayed=dict(expected or {}),
                         reruns=({"rerun": "watch --at (the script's own step, instrumented)", **got,
                                  "match": reproduced},), reasons=tuple(reasons))
     if reproduced is False:
-        rows = [f"not reproduced: at step {at} the rerun differs from the watched run: " + "; ".join(reasons),
-                *([f"the watched run saw {reason} at step {at}"] if reason else []),
-                "the script is not deterministic when re-executed: something it reads changed (files, the time, "
-                "arguments) or a generator other than Python random/numpy/torch's default is unseeded (a "
-                "DataLoader's workers' own seeds, torch.Generator() objects, os.urandom, hash order with "
-                "PYTHONHASHSEED unset), or threads/nondeterministic kernels",
-                "what to do: seed everything at the script's start, or write an ENTRY with your loss_fn and run "
-                f"nanprobe run ENTRY --capsule <the watched run's capsule> (the capsule holds step {at}'s exact "
-                "state)"]
-        return _not_reproduced(at, entry, first_status, rows, notes, reached_by, device=device,
-                               fidelity=fidelity), False
+        return not_reproduced([
+            f"not reproduced: at step {at} the rerun differs from the watched run: " + "; ".join(reasons), *saw,
+            "the script is not deterministic when re-executed: something it reads changed (files, the time, "
+            "arguments) or a generator other than Python random/numpy/torch's default is unseeded (a "
+            "DataLoader's workers' own seeds, torch.Generator() objects, os.urandom, hash order with "
+            "PYTHONHASHSEED unset), or threads/nondeterministic kernels",
+            "what to do: seed everything at the script's start, or write an ENTRY with your loss_fn and run "
+            f"nanprobe run ENTRY --capsule <the watched run's capsule> (the capsule holds step {at}'s exact "
+            "state)"], device, fidelity)
     trace = hooks.tracker.trace
     main = StepTrace(precision=prec, record=rec, trace=trace)
-    status = _status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
     if first_status is not None and first_status is not Status.FINITE:
         status = first_status if status is Status.FINITE or first_status is Status.NONFINITE else status
     history = [StepRecord(step=h["step"], loss=_float(h.get("loss")), grad_norm=_float(h.get("grad_norm")),
@@ -293,7 +262,7 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
         notes.append(skip_note)
     elif status is Status.FINITE and (trace.events or any(p.level == "error" for p in data)):
         status = Status.NONFINITE   # as run: a non-finite value born in the step (masked or not), bad data
-    findings = [_relabel_finding(f) for f in findings]
+    findings = [_outside(f) for f in findings]
     if findings and any(fx.verified is None for f in findings[:1] for fx in f.fixes):
         notes.append(f"fixes not verified: verifying a fix trains forward with it over a horizon, which needs "
                      f"your loss_fn; write an ENTRY (see README, 'The entrypoint') and run nanprobe run ENTRY "
@@ -305,45 +274,28 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                          "; compiled and eager numerics may differ" if reproduced is None else ""))
     if script_error is None and hooks.scaler_skipped:
         notes.append(f"GradScaler skipped the update of step {at} (non-finite gradients): no update phase ran")
-    origin = None if skip_note else origin_of(main.origin, prec.value)
-    if origin is not None and origin.module == LOSS_FN:
-        origin = dataclasses.replace(origin, module=OUTSIDE)
-    report = Report(command="watch", entry=entry, step=at, status=status, device=describe_device(device),
-                    precision=prec.value, origin=origin, findings=tuple(findings),
-                    precisions={prec.value: PrecisionResult(precision=prec.value, loss=rec.loss,
-                                                            finite=rec.finite and not trace.events,
-                                                            origin=origin, grad_norm=rec.grad_norm)},
-                    context=_context(main, cfg.run.context_modules), history=tuple(history) + (rec,),
-                    notes=tuple(notes), autocast_policy=autocast_policy(device, prec),
-                    reached_by=reached_by, fidelity=fidelity,
-                    extra={"data_problems": [p.to_json() for p in data],
-                           "events": [_event_json(e) for e in trace.events]})
-    return report, reproduced
+    origin = None if skip_note else _outside(origin_of(main.origin, prec.value))
+    return report(status=status, device=describe_device(device), precision=prec.value, origin=origin,
+                  findings=tuple(findings),
+                  precisions={prec.value: PrecisionResult(precision=prec.value, loss=rec.loss,
+                                                          finite=rec.finite and not trace.events,
+                                                          origin=origin, grad_norm=rec.grad_norm)},
+                  context=_context(main, cfg.run.context_modules), history=tuple(history) + (rec,),
+                  notes=tuple(notes), autocast_policy=autocast_policy(device, prec), fidelity=fidelity,
+                  extra={"data_problems": [p.to_json() for p in data],
+                         "events": [_event_json(e) for e in trace.events]}), reproduced
 
 
 def _float(x: Any) -> float | None:
-    if x is None:
-        return None
     try:
         return float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):   # None too
         return None
 
 
-def _relabel_finding(f: Finding) -> Finding:
-    if f.module != LOSS_FN:
-        return f
-    return dataclasses.replace(f, module=OUTSIDE)
-
-
-def _not_reproduced(at: int, entry: str, first_status: Status | None, rows: list[str], notes: list[str],
-                    reached_by: str, *, device: torch.device | None, fidelity: Fidelity | None = None) -> Report:
-    finding = Finding(cause=Cause.NOT_REPRODUCED, confidence=0.9, phase=Phase.FORWARD, module=None, op=None,
-                      evidence=tuple(rows))
-    status = first_status if first_status is not None and first_status is not Status.FINITE else Status.NONFINITE
-    return Report(command="watch", entry=entry, step=at, status=status,
-                  device=describe_device(device) if device is not None else "cpu", precision="fp32",
-                  findings=(finding,), notes=(rows[0], *notes), reached_by=reached_by, fidelity=fidelity)
+def _outside(x: Any) -> Any:
+    """A finding or origin in the loop's own code: named as the loss outside the model."""
+    return dataclasses.replace(x, module=OUTSIDE) if x is not None and x.module == LOSS_FN else x
 
 
 def unlocated_step(events: Sequence[Any]) -> int | None:

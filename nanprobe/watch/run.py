@@ -140,23 +140,37 @@ def parse_command(argv: Sequence[str]) -> tuple[str, str, list[str]]:
 @contextlib.contextmanager
 def _script_environment(kind: str, target: str, args: list[str]):
     argv, path0 = list(sys.argv), sys.path[0] if sys.path else None
+    sys.argv = [target, *args]
     if kind == "script":
-        sys.argv = [target, *args]
-        folder = str(Path(target).resolve().parent)
-        if sys.path:
-            sys.path[0] = folder
-        else:
-            sys.path.insert(0, folder)
-    else:
-        sys.argv = [target, *args]
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
+        sys.path[:1] = [str(Path(target).resolve().parent)]
+    elif os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         yield
     finally:
         sys.argv = argv
         if path0 is not None and sys.path:
             sys.path[0] = path0
+
+
+def run_script(kind: str, target: str) -> None:
+    """Run the script as ``python train.py`` / ``python -m pkg.train`` would (in its environment)."""
+    if kind == "script":
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+def print_error(exc: BaseException) -> str:
+    """Print the script's own error as Python does; returns its one line."""
+    traceback.print_exc()
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+
+
+def no_json_dash(json_out: str | os.PathLike | None) -> None:
+    if json_out is not None and str(json_out) == "-":
+        raise UsageError("--json - would mix the report with the script's output", "--json",
+                         "Give a file: --json report.json")
 
 
 def _exit_code(code: Any) -> int:
@@ -185,9 +199,7 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
     launched = follows(command)   # a launcher (torchrun, accelerate launch, bash ...): its Python processes
     kind, target, args = ("", "", []) if launched else parse_command(command)
     cfg = resolve_config(config, "nanprobe watch", check_every=check_every)
-    if json_out is not None and str(json_out) == "-":
-        raise UsageError("--json - would mix the report with the script's output", "--json",
-                         "Give a file: --json report.json")
+    no_json_dash(json_out)
     if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
         raise UsageError(f"--max-reports {max_reports!r}", "nanprobe watch",
                          "Give the number of bad steps to diagnose in-process (0: none, only capsules)")
@@ -202,10 +214,7 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
     with _script_environment(kind, target, args):
         with watcher:
             try:
-                if kind == "script":
-                    runpy.run_path(target, run_name="__main__")
-                else:
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+                run_script(kind, target)
             except SystemExit as exc:
                 code = _exit_code(exc.code)
             except KeyboardInterrupt:
@@ -215,23 +224,26 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
                 error = exc.message
                 code = 1
             except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
-                traceback.print_exc()
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-                code = 1
+                error, code = print_error(exc), 1
             finally:
                 try:
                     watcher.finish_at_exit()
                 except Stopped as exc:
                     error = error or exc.message
                     code = code or 1
-    written = None
-    if json_out is not None and watcher.events and watcher.events[0].report:
-        Path(json_out).write_text(Path(watcher.events[0].report).read_text())
-        written = str(json_out)
     root = type(watcher.root).__name__ if watcher.root is not None else None
     return WatchResult(argv=tuple(command), exit_code=code, steps=watcher.steps, events=tuple(watcher.events),
                        handwritten=watcher.handwritten, unseen=tuple(short for short, _ in watcher.unseen()),
-                       root=root, json=written, error=error, notes=tuple(watcher.notes))
+                       root=root, json=_copy_report(json_out, watcher.events[0] if watcher.events else None),
+                       error=error, notes=tuple(watcher.notes))
+
+
+def _copy_report(json_out: str | os.PathLike | None, event: HookEvent | None) -> str | None:
+    """--json OUT: a copy of the bad step's report (where it has one)."""
+    if json_out is None or event is None or not event.report:
+        return None
+    Path(json_out).write_text(Path(event.report).read_text())
+    return str(json_out)
 
 
 def _first_report(events: Sequence[HookEvent]) -> HookEvent | None:
@@ -244,13 +256,9 @@ def _watch_launched(command: Sequence[str], *, json_out: str | os.PathLike | Non
     """The command as a subprocess, its Python processes followed (nanprobe.watch.launch)."""
     code, rows = run_command(command, settings)
     events = tuple(sorted((e for r in rows for e in r.events), key=lambda e: (e.step, e.rank)))
-    written = None
-    first = _first_report(events)
-    if json_out is not None and first is not None:
-        Path(json_out).write_text(Path(first.report).read_text())
-        written = str(json_out)
     return WatchResult(argv=tuple(command), exit_code=code, steps=sum(r.steps for r in rows), events=events,
-                       root=next((r.root for r in rows if r.root), None), json=written,
+                       root=next((r.root for r in rows if r.root), None),
+                       json=_copy_report(json_out, _first_report(events)),
                        notes=tuple(dict.fromkeys(n for r in rows for n in r.notes)), processes=rows)
 
 
