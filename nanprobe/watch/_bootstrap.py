@@ -1,23 +1,15 @@
 """The bootstrap every Python child of ``nanprobe watch -- LAUNCHER ...`` inherits (see nanprobe.watch.launch).
 
-``nanprobe watch`` copies this file as ``sitecustomize.py`` into a folder it prepends to ``PYTHONPATH``,
-so every Python interpreter the command starts (torchrun's agent and its ranks, ``accelerate launch``
-and its processes, a shell script's ``python train.py``) runs :func:`boot` at start-up. It needs only
-the standard library until the process trains:
-
-* it chains to the ``sitecustomize`` it shadows (if any) and does nothing else unless
-  ``NANPROBE_WATCH_RUN`` names the run directory;
-* when ``torch`` has been imported, it wraps ``torch.optim.Optimizer.__init__``: the first optimizer the
-  process builds starts a :class:`nanprobe.watch.Watcher` (the same one as the in-process path). A
-  launcher (torchrun's agent, accelerate's CLI) and a DataLoader worker build no optimizer and stay
-  inert; a process forked while a Watcher runs (a DataLoader worker) removes the Watcher's hooks at once;
-* at exit (``atexit``: also after an uncaught exception or ``sys.exit``) it finishes the Watcher and
-  writes the process's row (pid, rank, world size, steps, bad steps, reports, exit) into the run
-  directory; a process with a Watcher writes it also when the Watcher starts and after each bad step
-  (exit unknown), so a rank the launcher kills (SIGTERM skips ``atexit``) is still counted. A process
-  that built no optimizer writes a row only if it runs the user's script (``python train.py``, ``python -m
-  pkg.train``: a rank, or the script a shell command runs), never if it is a launcher, a multiprocessing
-  child or a helper interpreter (``python -c``, torch's own workers).
+Copied as ``sitecustomize.py`` into a folder prepended to ``PYTHONPATH``, it runs :func:`boot` in every
+interpreter the command starts (torchrun's agent and its ranks, a shell script's ``python train.py``) with
+the standard library only until the process trains. It chains to the ``sitecustomize`` it shadows; with
+``NANPROBE_WATCH_RUN`` set, once ``torch`` is imported the first optimizer the process builds starts a
+:class:`nanprobe.watch.Watcher` (a launcher or a DataLoader worker builds none and stays inert; a process
+forked while a Watcher runs removes its hooks at once). At exit (``atexit``) it finishes the Watcher and
+writes the process's row into the run directory; a process with a Watcher also writes it when the Watcher
+starts and after each bad step, so a rank the launcher kills (SIGTERM skips ``atexit``) is still counted.
+A process with no optimizer writes a row only if it runs the user's script (a rank, or the script a shell
+command runs), never a launcher, a multiprocessing child or a helper interpreter (``python -c``).
 
 Nothing here may raise into the user's program: every step is wrapped.
 """
@@ -95,12 +87,6 @@ class _TorchFinder:
         return spec
 
 
-def _settings() -> dict:
-    import json
-
-    return json.loads(os.environ.get(SETTINGS_ENV) or "{}")
-
-
 def _on_torch() -> None:
     """torch is imported: wrap Optimizer.__init__ (the first optimizer starts the Watcher), note how the
     process exits."""
@@ -130,8 +116,9 @@ def _start() -> None:
         return
     try:
         import importlib.util
+        import json
 
-        settings = _settings()
+        settings = json.loads(os.environ.get(SETTINGS_ENV) or "{}")
         if settings.get("path") and importlib.util.find_spec("nanprobe") is None:
             sys.path.append(settings["path"])
         from nanprobe.watch.child import start_watcher

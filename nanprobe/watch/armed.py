@@ -17,13 +17,11 @@ from ..capsule import compiled_graphs, unwrap
 from ..live.events import current_lr, skip_update, total_norm
 from ..live.core import _f32
 from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, _tensor_stats
-from ..base.precision import Precision
 from ..base.report import Phase
 from ..base.sharding import weights_finite
 from ..reach.step import Loop
-from ..reach.target import validate
-from .hooks import ScriptHooks, unscale_ready
-from ..reach.forward import ForwardStep, autocast_dtype, batch_of, device_of_module, params_module
+from .hooks import ScriptHooks, forward_target, unscale_ready
+from ..reach.forward import autocast_dtype, batch_of, device_of_module, params_module
 
 
 class Done(BaseException):
@@ -177,13 +175,7 @@ class StepHooks(ScriptHooks):
             return
         if self.tracker is None:
             if self._is_root(module):
-                try:
-                    self._arm(module, args)
-                except Exception as exc:   # nanprobe's own failure: never blamed on the script
-                    self.arm_error = exc
-                    self.done = True
-                    self._disarm()
-                    raise Done() from exc
+                self._arm(module, args)
         elif module is self.root and self.tracker.phase is Phase.BACKWARD:   # the next micro-batch
             self._micro += 1
             self.tracker.set_phase(Phase.FORWARD)
@@ -200,16 +192,24 @@ class StepHooks(ScriptHooks):
         return any(id(p) in wanted for p in module.parameters())
 
     def _arm(self, root: torch.nn.Module, args: tuple) -> None:
+        try:
+            self._instrument(root, args)
+        except Exception as exc:   # nanprobe's own failure: never blamed on the script
+            self.arm_error = exc
+            self._stop()
+            raise Done() from exc
+
+    def _stop(self) -> None:
+        self.done = True
+        self._disarm()
+
+    def _instrument(self, root: torch.nn.Module, args: tuple) -> None:
         self.root = root   # the module called (DDP, torch.compile's wrapper); names come from the one inside
         model = unwrap(root)
         self.autocast = autocast_dtype(root)
         self.items.append(batch_of(args, {}, self.autocast))
         opt = self.optimizer
-        own = {id(q) for q in model.parameters()}
-        use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
-        precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(self.autocast, Precision.FP32)
-        target = validate({"model": model, "step_fn": ForwardStep(device_of_module(model)), "batches": [],
-                           "optimizer": opt if use_opt else None, "precision": precision}, "nanprobe watch --at")
+        target, precision = forward_target(model, opt, self.autocast, device_of_module(model), "nanprobe watch --at")
         self.loop = Loop(target, "nanprobe watch --at", precision)
         self.snapshot = self.loop.objects.take()   # the state before step N (the corrupted-state rule reads it)
         low = getattr(torch, self.autocast) if self.autocast else next(
@@ -287,24 +287,15 @@ class StepHooks(ScriptHooks):
     def step_done(self) -> None:
         step = self.steps
         self.steps += 1
-        if self.armed and step == self.at:
-            self.done = True
-            self._disarm()
-            self.weights_finite = weights_finite(self.root)
-            raise Done()
-        if step == self.at:   # step N ended with no module of the optimizer's called: nothing to instrument
-            self.done = True
-            self._disarm()
+        if step == self.at:   # (not armed: no module of the optimizer's was called, nothing was instrumented)
+            armed = self.armed
+            self._stop()
+            if armed:
+                self.weights_finite = weights_finite(self.root)
             raise Done()
         if self.steps == self.at and self.tracker is None:
             if self.functional and self.optimizer is not None:   # no forward to arm at: arm now
-                try:
-                    self._arm(params_module(self.optimizer), ())
-                except Exception as exc:   # nanprobe's own failure: never blamed on the script
-                    self.arm_error = exc
-                    self.done = True
-                    self._disarm()
-                    raise Done() from exc
+                self._arm(params_module(self.optimizer), ())
             else:
                 self._wait()   # step N-1's update is over: arm at step N's first forward
 

@@ -13,7 +13,23 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ..base.precision import Precision
+from ..reach.forward import ForwardStep
 from ..reach.step import Patch
+from ..reach.target import Target, validate
+
+
+def forward_target(model: torch.nn.Module, opt: torch.optim.Optimizer | None, autocast: str | None, device: str,
+                   who: str, schedulers: Any = (), **more: Any) -> tuple[Target, Precision]:
+    """The root module's forward as the Target the diagnosis reruns (its optimizer and schedulers when the
+    optimizer updates only the module's own parameters), and the precision of its autocast dtype."""
+    own = {id(q) for q in model.parameters()}
+    use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
+    scheds = [s for s in list(schedulers) if use_opt and getattr(s, "optimizer", None) is opt]
+    precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(autocast, Precision.FP32)
+    return validate({"model": model, "step_fn": ForwardStep(device), "batches": [],
+                     "optimizer": opt if use_opt else None, "scheduler": scheds or None, "precision": precision,
+                     **more}, who), precision
 
 
 def unscale_ready(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -107,58 +123,50 @@ class ScriptHooks:
     # -- the script's calls -----------------------------------------------------------------------------
 
     def _wrap_backward(self, original):
-        hooks = self
-
         def backward(tensors, *args, **kwargs):
-            if hooks.listening():
+            if self.listening():
                 for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in hooks.scaled:
-                        hooks.on_loss(t)
-                hooks.on_backward()
+                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in self.scaled:
+                        self.on_loss(t)
+                self.on_backward()
             out = original(tensors, *args, **kwargs)
-            if hooks.active():
-                hooks.after_backward()
+            if self.active():
+                self.after_backward()
             return out
         return backward
 
     def _wrap_scale(self, original):
-        hooks = self
-
         def scale(scaler, outputs):
             out = original(scaler, outputs)
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and hooks.listening():
-                hooks.scaler_seen = scaler
-                hooks.scaled.add(id(out))
-                hooks.on_loss(outputs)
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and self.listening():
+                self.scaler_seen = scaler
+                self.scaled.add(id(out))
+                self.on_loss(outputs)
             return out
         return scale
 
     def _wrap_clip(self, original):
-        hooks = self
-
         def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
             norm = original(parameters, max_norm, *args, **kwargs)
-            if hooks.listening() and isinstance(norm, torch.Tensor):
-                hooks.on_clip(norm.detach(), float(max_norm))
+            if self.listening() and isinstance(norm, torch.Tensor):
+                self.on_clip(norm.detach(), float(max_norm))
             return norm
         return clip_grad_norm_
 
     def _wrap_scaler_step(self, original):
-        hooks = self
-
         def step(scaler, optimizer, *args, **kwargs):
-            guarded = hooks.active() and scaler.is_enabled() and \
-                (hooks.optimizer is None or optimizer is hooks.optimizer) and "closure" not in kwargs
+            guarded = self.active() and scaler.is_enabled() and \
+                (self.optimizer is None or optimizer is self.optimizer) and "closure" not in kwargs
             if not guarded:
                 return original(scaler, optimizer, *args, **kwargs)
-            hooks.optimizer = optimizer
-            hooks.before_scaler_step(scaler, optimizer)
-            hooks._in_scaler_step = True
+            self.optimizer = optimizer
+            self.before_scaler_step(scaler, optimizer)
+            self._in_scaler_step = True
             try:
                 out = original(scaler, optimizer, *args, **kwargs)
             finally:
-                hooks._in_scaler_step = False
-            hooks.step_done()   # also when the scaler skipped optimizer.step(): the script's step is over
+                self._in_scaler_step = False
+            self.step_done()   # also when the scaler skipped optimizer.step(): the script's step is over
             return out
         return step
 
@@ -182,13 +190,13 @@ class ScriptHooks:
                       kwargs: dict) -> tuple[tuple, dict]:
         """The closure the optimizer gets instead: its first evaluation is the step's; later ones (LBFGS's
         line search) are not new steps."""
-        hooks, first = self, [True]
+        first = [True]
 
         def guarded():
             loss = closure()
             if first[0]:
                 first[0] = False
-                hooks.closure_evaluated(opt)
+                self.closure_evaluated(opt)
             return loss
 
         if "closure" in kwargs:
@@ -200,4 +208,4 @@ class ScriptHooks:
             self.step_done()
 
 
-__all__ = ["ScriptHooks", "unscale_ready"]
+__all__ = ["ScriptHooks", "unscale_ready", "forward_target"]

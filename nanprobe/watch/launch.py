@@ -2,12 +2,9 @@
 ``bash run.sh``): the command runs as a subprocess and every Python process it starts is followed.
 
 The command gets a folder prepended to ``PYTHONPATH`` whose ``sitecustomize.py`` is
-:mod:`nanprobe.watch._bootstrap`, and two environment variables: ``NANPROBE_WATCH_RUN`` (a run directory)
-and ``NANPROBE_WATCH`` (the watch settings as JSON). In each child interpreter the first optimizer
-built starts a :class:`~nanprobe.watch.watcher.Watcher` (:mod:`nanprobe.watch.child`: the in-process path's
-code), and at exit the child finishes it; the bootstrap writes one row per process into the
-run directory. The parent waits for the command, reads the rows (:func:`read_rows`) and returns the
-command's exit code in a :class:`~nanprobe.watch.run.WatchResult` whose ``processes`` are the rows.
+:mod:`nanprobe.watch._bootstrap` (``NANPROBE_WATCH_RUN``: the run directory, ``NANPROBE_WATCH``: the
+settings as JSON); each child's Watcher (:mod:`nanprobe.watch.child`) writes one row per process there,
+which the parent reads back (:func:`read_rows`) into the ``processes`` of its ``WatchResult``.
 """
 
 from __future__ import annotations
@@ -54,10 +51,6 @@ class ProcessRow:
     argv: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     own_watch: bool = False        # it ran `nanprobe watch -- python ...` itself, which reported it
-
-    @property
-    def reports(self) -> tuple[str, ...]:
-        return tuple(e.report for e in self.events if e.report)
 
 
 _PYTHONS = ("python", "python3")

@@ -28,7 +28,7 @@ DEFAULT_DIR = "nanprobe-reports"
 
 def start_state() -> dict[str, Any]:
     """The host RNG states a script starts from (taken by ``watch`` before the script runs): JSON-able."""
-    state: dict[str, Any] = {"python_random": _jsonable(random.getstate()),
+    state: dict[str, Any] = {"python_random": json.loads(json.dumps(random.getstate())),   # tuples -> lists
                              "torch": torch.get_rng_state().tolist(), "threads": torch.get_num_threads(),
                              "hash_randomization": bool(sys.flags.hash_randomization),
                              "pythonhashseed": os.environ.get("PYTHONHASHSEED")}
@@ -39,12 +39,6 @@ def start_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state["numpy"] = [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
     return state
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def restore_start_state(state: dict[str, Any]) -> list[str]:
@@ -148,5 +142,4 @@ def find_run(dirpath: str | os.PathLike, step: int, script_argv: Sequence[str], 
 
 
 __all__ = ["start_state", "restore_start_state", "write_run_record", "read_run_record", "at_command", "record_json",
-           "find_run",
-           "RUN_SUFFIX", "DEFAULT_DIR"]
+           "find_run", "RUN_SUFFIX", "DEFAULT_DIR"]

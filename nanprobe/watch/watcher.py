@@ -19,16 +19,15 @@ from ..capsule import unwrap
 from ..live.guard import POLICIES   # the guard's policies: a script has no "stop"
 from ..live import HookedGuard, HookEvent, skip_update, total_norm
 from ..live.hooked import Pending
-from ..base.precision import Precision
 from ..base.report import Cause, Phase, Report, Status
 from ..base.sharding import local_value
 from ..reach.state import capture_rng
 from ..reach.step import Patch
-from ..reach.target import Target, validate
+from ..reach.target import Target
 from ..judge.updates import update_finding, update_forensics
-from .hooks import ScriptHooks, unscale_ready
+from .hooks import ScriptHooks, forward_target, unscale_ready
 from .record import at_command, record_json, write_run_record
-from ..reach.forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
+from ..reach.forward import (autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
 
 
@@ -131,13 +130,15 @@ class Watcher(ScriptHooks):
 
     def extra_patches(self) -> list[Patch]:
         from torch.optim.lr_scheduler import LRScheduler
-        watcher, made = self, torch.optim.Optimizer.__init__
+        watcher, made, made_sched = self, torch.optim.Optimizer.__init__, LRScheduler.__init__
 
         def optimizer_init(opt, *args, **kwargs):
             made(opt, *args, **kwargs)
             watcher._optimizers_made += 1
-        return [Patch(LRScheduler, "__init__", self._wrap_sched_init(LRScheduler.__init__)),
-                Patch(torch.optim.Optimizer, "__init__", optimizer_init)]
+        def sched_init(sched, *args, **kwargs):
+            made_sched(sched, *args, **kwargs)
+            watcher.schedulers.add(sched)
+        return [Patch(LRScheduler, "__init__", sched_init), Patch(torch.optim.Optimizer, "__init__", optimizer_init)]
 
     def active(self) -> bool:
         return not self.busy
@@ -162,27 +163,36 @@ class Watcher(ScriptHooks):
         if self._depth == 0 and self._first and self._first[-1][0] is module:
             self._first[-1][5] = find_loss(out)
 
-    def _pick_root(self, opt: torch.optim.Optimizer) -> None:
-        for h in self._module_hooks:   # a Python call per module call: from now on only the root has hooks
+    def _first_calls(self) -> list[list[Any]]:
+        """Step 0's top-level calls, taken once the root is chosen: from then on only the root has hooks (the
+        global ones cost a Python call per module call)."""
+        for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
+        first, self._first = self._first, []
+        return first
+
+    def _adopt(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self._device_type = device_of_module(root)
+        self._hook_root(root)
+        self._make_guard(unwrap(root))
+
+    def _pick_root(self, opt: torch.optim.Optimizer) -> None:
+        first = self._first_calls()
         params = {id(p) for g in opt.param_groups for p in g["params"]}
-        modules = list(dict.fromkeys(call[0] for call in self._first))
+        modules = list(dict.fromkeys(call[0] for call in first))
         best = next((m for m in modules if params <= {id(p) for p in m.parameters()}), None)
         if best is None and modules:   # no single call holds all the optimizer's parameters
             best = max(modules, key=lambda m: len(params & {id(p) for p in m.parameters()}))
             self.notes.append("no module called in the first step holds all of the optimizer's parameters; "
                               f"the root is {type(best).__name__}")
-        self.root = best
-        first, self._first = self._first, []
         if best is None:
             self.notes.append("no module was called with gradients enabled before the first optimizer step: "
                               "no inputs to rerun")
             self._make_guard(params_module(opt))
             return
-        self._device_type = device_of_module(best)
-        self._hook_root(best)
-        self._make_guard(unwrap(best))
+        self._adopt(best)
         for module, args, kwargs, autocast, rng, loss in first:
             if module is best:
                 self._note_call(args, kwargs, autocast)
@@ -285,8 +295,7 @@ class Watcher(ScriptHooks):
 
     def unseen(self) -> list[tuple[str, str]]:
         """What part of the steps watch could not see, and how to cover it: (short, full) lines."""
-        out = dict(self._unseen)
-        return list(out.values())
+        return list(self._unseen.values())
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         unscale_ready(scaler, optimizer)
@@ -296,14 +305,6 @@ class Watcher(ScriptHooks):
         finally:
             self._scaler = None
         self._checked = True
-
-    def _wrap_sched_init(self, original):
-        watcher = self
-
-        def __init__(sched, *args, **kwargs):
-            original(sched, *args, **kwargs)
-            watcher.schedulers.add(sched)
-        return __init__
 
     # -- an update written by hand (no optimizer): each backward is a step, checked when it returns --
     def after_backward(self) -> None:
@@ -315,20 +316,31 @@ class Watcher(ScriptHooks):
             if self._backwards < 2 or self._optimizers_made or self.guard is not None or not self._first:
                 return
             self._start_handwritten()
+        g = self._begin_check()
+        norm = total_norm([q.grad for q in g.model.parameters() if q.grad is not None])
+        self._note_update(g)
+        self._guard_check([], norm)   # nothing can be skipped: seen and reported
+        self.steps += 1
+        if g.pending is not None:
+            self._finish()
+
+    def _begin_check(self) -> HookedGuard:
+        """The guard, with the step's capture begun (no root call was captured in it: no inputs)."""
         g = self.guard
         if not g.in_step:
             self._losses, self._loss_missing = [], True
             g.micro(None, self.steps)
-        params = [q for q in g.model.parameters() if q.grad is not None]
-        norm = total_norm([q.grad for q in params])
-        self._note_update(g)
+        return g
+
+    def _guard_check(self, opts: list[torch.optim.Optimizer], norm: torch.Tensor | None,
+                     max_norm: float | None = None) -> bool:
+        """The guard's check of this step; a bad one keeps the losses backpropagated in it."""
+        g = self.guard
         position = Position(step=self.steps, epoch=None, index=self.steps, items=())
-        g.check(self.steps, [], norm=norm, position=position)   # nothing can be skipped: seen and reported
+        skip = g.check(self.steps, opts, norm=norm, scaler=self._scaler, position=position, max_grad_norm=max_norm)
         if g.pending is not None and g.pending.step == self.steps:
             self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
-        self.steps += 1
-        if g.pending is not None:
-            self._finish()
+        return skip
 
     def _note_update(self, g: HookedGuard) -> None:
         """The step size of the update the script made by hand since the last backward: |dw|/|w| of a strided
@@ -346,16 +358,11 @@ class Watcher(ScriptHooks):
 
     def _start_handwritten(self) -> None:
         """The root is the largest module called at the top level; this step's call is its first micro-batch."""
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
-        first, self._first = self._first, []
+        first = self._first_calls()
         best = max(dict.fromkeys(call[0] for call in first), key=lambda m: sum(q.numel() for q in m.parameters()))
-        self.root, self.handwritten = best, True
+        self.handwritten = True
         self.steps = self._backwards - 1   # the backward passes before this one were steps too (unchecked)
-        self._device_type = device_of_module(best)
-        self._hook_root(best)
-        self._make_guard(unwrap(best))
+        self._adopt(best)
         self.guard.can_skip = False
         self.guard.replay = self.guard.unlocated = None   # watch --at counts optimizer steps: there are none
         module, args, kwargs, autocast, rng, loss = next(c for c in reversed(first) if c[0] is best)
@@ -384,12 +391,9 @@ class Watcher(ScriptHooks):
             self.optimizer = opt
         if self.guard is None:
             self._pick_root(opt)
-        g = self.guard
-        if g.pending is not None:   # a bad step whose end was never seen: diagnose it now
+        if self.guard.pending is not None:   # a bad step whose end was never seen: diagnose it now
             self._finish()
-        if not g.in_step:   # no root call captured in this step
-            self._losses, self._loss_missing = [], True
-            g.micro(None, self.steps)
+        self._begin_check()
         if self._loss_missing and self.root is not None and "loss" not in self._unseen:
             self._unseen["loss"] = (
                 "the loss outside the model's forward (watch --at N locates a NaN born there)",
@@ -397,20 +401,15 @@ class Watcher(ScriptHooks):
                 "born in the loss or in its backward is located by re-executing the script (nanprobe watch --at N, "
                 "by default within watch.explain_budget); return the loss from forward to have it checked "
                 "in-process")
-        scaler = self._scaler
-        position = Position(step=self.steps, epoch=None, index=self.steps, items=())
         clip, self._clip = self._clip, None
         if clip is not None:   # the script clipped: its norm is the one before clipping (and costs nothing)
             norm, max_norm = clip
         else:
             norm, max_norm = total_norm([p.grad for grp in opt.param_groups for p in grp["params"]
                                          if p.grad is not None]), None
-        if g.check(self.steps, [opt], norm=norm, scaler=scaler, position=position,
-                   max_grad_norm=max_norm):
-            skip_update([opt], scaler)
+        if self._guard_check([opt], norm, max_norm):
+            skip_update([opt], self._scaler)
             self.skipped.append(self.steps)
-        if g.pending is not None and g.pending.step == self.steps:
-            self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
 
     def step_done(self) -> None:
         self._clip = None   # a clip inside the optimizer's own step (BertAdam's) came after the check: not the next's
@@ -501,23 +500,23 @@ class Watcher(ScriptHooks):
         findings = list(report.findings)
         grads = p.extra.get("gradients", {}).get("nonfinite_modules", [])
         data_error = any(d.get("level") == "error" for d in report.extra.get("data_problems", []))
-        if report.origin is None:
+        origin, outside = report.origin, None
+        if origin is None:
             findings = [f for f in findings if f.cause is not Cause.NOT_REPRODUCED]
             if not loss_in_forward and not data_error:
-                notes.insert(0, "the loss is computed outside the root module's forward: watch reran the forward "
-                                "only, and it was finite, so the origin is in the loss or the backward pass; for "
-                                "the full diagnosis write an ENTRY with your loss_fn and run the replay command")
+                # the forward rerun (instrumented) found nothing non-finite in the model: the loss outside it did
+                outside = loss_outside_finding(p.extra.get("loss_outside_model") or {}, report.precision)
+                if outside is None:
+                    notes.insert(0, "the loss is computed outside the root module's forward: watch reran the "
+                                    "forward only, and it was finite, so the origin is in the loss or the backward "
+                                    "pass; for the full diagnosis write an ENTRY with your loss_fn and run the "
+                                    "replay command")
             if grads:
                 where = ", ".join(r["module"] or "(root)" for r in grads[:4])
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
-        # the forward rerun (instrumented) found nothing non-finite in the model: the loss outside it did
-        outside = loss_outside_finding(p.extra.get("loss_outside_model") or {}, report.precision) \
-            if report.origin is None and not loss_in_forward and not data_error else None
-        origin = report.origin
         if outside is not None:
             findings.insert(0, outside[0])
             origin = outside[1]
-            notes = [n for n in notes if not n.startswith("the loss is computed outside")]
             notes.append(f"the op's source line, values and samples: {self.at_command(p.step)} re-executes the "
                          f"script with step {p.step} instrumented")
         upd = p.extra.get("update", {})
@@ -531,17 +530,10 @@ class Watcher(ScriptHooks):
 
     # -- the target the diagnosis reruns --
     def _target(self) -> Target:
-        model = self.guard.model
-        own = {id(q) for q in model.parameters()}
-        opt = self.optimizer
-        use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
-        scheds = [s for s in list(self.schedulers) if use_opt and getattr(s, "optimizer", None) is opt]
         items = [it for it in self.guard.core.items if isinstance(it, dict)]
-        dtype = items[0].get("autocast") if items else None
-        precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(dtype, Precision.FP32)
-        return validate({"model": model, "step_fn": ForwardStep(self._device_type), "batches": [],
-                         "optimizer": opt if use_opt else None, "scheduler": scheds or None,
-                         "precision": precision, "accumulate": max(len(self.guard.core.items), 1)}, "nanprobe watch")
+        return forward_target(self.guard.model, self.optimizer, items[0].get("autocast") if items else None,
+                              self._device_type, "nanprobe watch", self.schedulers,
+                              accumulate=max(len(self.guard.core.items), 1))[0]
 
 
 __all__ = ["Watcher", "POLICIES"]
