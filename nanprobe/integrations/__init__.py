@@ -2,11 +2,8 @@
 ``lightning.Trainer``, `nanprobe.integrations.transformers.NanprobeCallback` for
 ``transformers.Trainer`` (and ``nanprobe watch`` for scripts with their own loop).
 
-Each guards every optimizer step through the framework's hooks (:mod:`nanprobe.live`): one device
-sync per checked step; on the first bad step it skips the update, writes the capsule, diagnoses the
-step in the training process with the framework's own step as a ``step_fn``, writes the JSON report
-(the schema of ``nanprobe run --json``) into ``dirpath`` and logs one line naming the report and the
-replay command.
+Each guards every optimizer step through the framework's hooks (:mod:`nanprobe.live`) and diagnoses
+the first bad step in the training process with the framework's own step as a ``step_fn``.
 """
 
 from __future__ import annotations

@@ -4,19 +4,16 @@
 
 Every optimizer step is checked in ``on_before_optimizer_step`` (after backward and, with a
 GradScaler, after unscaling; before clipping): the loss noted in ``on_before_backward`` and the
-global gradient norm, in one device sync. On the first bad step the update is skipped (gradients set
-to None: ``optimizer.step()`` changes nothing), the capsule is written, and in ``on_train_batch_end``
-the step is diagnosed in the training process with the module's own automatic optimization as the
-``step_fn`` (:class:`LightningStep`), the JSON report goes into ``dirpath`` and one line is logged.
-Then ``policy``: ``skip`` (go on), ``stop`` (``trainer.should_stop``), ``raise``, ``record`` (apply
-the update anyway). Steps are ``trainer.global_step`` values (the number of optimizer steps done
-before the step). The scheduler and ``global_step`` advance on a skipped step, as they do when a
-GradScaler skips.
+global gradient norm, in one device sync. A bad step's update is skipped (gradients set to None), the
+capsule written, and in ``on_train_batch_end`` the step is diagnosed in-process with the module's own
+automatic optimization as the ``step_fn`` (:class:`LightningStep`). Steps are ``trainer.global_step``
+values; the scheduler and ``global_step`` advance on a skipped step, as they do when a GradScaler skips.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from functools import partial
@@ -25,10 +22,10 @@ from typing import Any
 import torch
 
 from ..reach.feed import MicroBatches, Position
-from ..live import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update
 from ..base.precision import Precision
 from ..reach.target import Target, validate
 from . import require
+from ._callback import GuardedCallback, set_for
 
 try:
     from lightning.pytorch import Callback as _Base
@@ -46,41 +43,21 @@ logger = logging.getLogger("nanprobe.lightning")
 _PRECISIONS = {"16-mixed": Precision.FP16, "bf16-mixed": Precision.BF16}
 
 
-def _closure_result():
-    if _FRAMEWORK == "pytorch_lightning":  # pragma: no cover
-        from pytorch_lightning.loops.optimization.automatic import Closure, ClosureResult
-    else:
-        from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
-    return Closure, ClosureResult
-
-
-def _lightning_module_class() -> type:
-    if _FRAMEWORK == "pytorch_lightning":  # pragma: no cover
-        from pytorch_lightning import LightningModule
-    else:
-        from lightning.pytorch import LightningModule
-    return LightningModule
-
-
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
+def _framework(module: str = "") -> Any:
+    """``lightning.pytorch`` (or ``pytorch_lightning``) or one of its modules."""
+    return importlib.import_module(_FRAMEWORK + module)
 
 
 @contextlib.contextmanager
 def _quiet(module: torch.nn.Module):
     """``self.log`` / ``self.log_dict`` do nothing while nanprobe reruns a step (no metric counted twice)."""
-    had = {name: name in vars(module) for name in ("log", "log_dict")}
-    saved = {name: vars(module)[name] for name, present in had.items() if present}
-    module.log = _noop
-    module.log_dict = _noop
+    saved = {name: vars(module)[name] for name in ("log", "log_dict") if name in vars(module)}
+    module.log = module.log_dict = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        for name, present in had.items():
-            if present:
-                setattr(module, name, saved[name])
-            else:
-                delattr(module, name)
+        del module.log, module.log_dict
+        vars(module).update(saved)
 
 
 class LightningStep:
@@ -112,13 +89,13 @@ class LightningStep:
         idx = self.batch_idx.get(step, ())
         raw = trainer.optimizers[0]
         lopt = trainer.strategy._lightning_optimizers[0]
-        Closure, _ = _closure_result()
+        Closure = _framework(".loops.optimization.automatic").Closure
         total = None
         with _quiet(module):
             for j, mb in enumerate(micro):
                 bidx = idx[j] if j < len(idx) else j
                 closure = Closure(step_fn=partial(self._training_step, mb, bidx),
-                                  backward_fn=partial(self._backward, raw),
+                                  backward_fn=partial(trainer.strategy.backward, optimizer=raw),
                                   zero_grad_fn=partial(self._zero_grad, epoch, bidx, raw) if j == 0 else None)
                 closure()
                 result = closure.consume_result()
@@ -129,13 +106,10 @@ class LightningStep:
         return total
 
     def _training_step(self, batch: Any, batch_idx: int):
-        _, ClosureResult = _closure_result()
         with self.trainer.precision_plugin.train_step_context():
             out = self.module.training_step(batch, batch_idx)
-        return ClosureResult.from_training_step_output(out, self.trainer.accumulate_grad_batches)
-
-    def _backward(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
-        self.trainer.strategy.backward(loss, optimizer)
+        result = _framework(".loops.optimization.automatic").ClosureResult
+        return result.from_training_step_output(out, self.trainer.accumulate_grad_batches)
 
     def _zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         self.module.on_before_zero_grad(optimizer)
@@ -147,7 +121,7 @@ def _done(loss: torch.Tensor | None) -> torch.Tensor | None:
     return loss
 
 
-class NanprobeCallback(_Base):
+class NanprobeCallback(GuardedCallback, _Base):
     """Guard every optimizer step of a ``lightning.Trainer`` run; diagnose the first bad one in-process.
 
     ``dirpath``: where the capsule and the JSON report go. ``policy``: ``skip`` (default), ``stop``
@@ -158,40 +132,30 @@ class NanprobeCallback(_Base):
     happened. Automatic optimization only (Lightning 2.x: one optimizer).
     """
 
+    command, who, frameworks = "lightning", "nanprobe (Lightning)", ("lightning", "pytorch-lightning")
+
     def __init__(self, dirpath: str | os.PathLike = "nanprobe-reports", policy: str = "skip", *,
                  entry: str | None = None, config: Any = None, check_every: int | None = None,
                  max_reports: int = 1):
         if _FRAMEWORK is None:
             require("lightning.pytorch", "lightning", "nanprobe.integrations.lightning.NanprobeCallback")
-        self.dirpath = dirpath
-        self.policy = policy
-        self.entry = entry
-        self.max_reports = max_reports
-        self.config = resolve_config(config, "NanprobeCallback(config=...)", check_every=check_every)
-        check_policy(policy, POLICIES, "NanprobeCallback(policy=...)")
-        self.events: list[HookEvent] = []
-        self._guard: HookedGuard | None = None
+        super().__init__(dirpath, policy, entry=entry, config=config, check_every=check_every,
+                         max_reports=max_reports)
         self._step: LightningStep | None = None
-        self._stepped = False
         self._deferred: torch.optim.Optimizer | None = None   # its check waits for Lightning's clipping
         self._clip_plugin: Any = None
         self._scaler_of: tuple[Any, torch.amp.GradScaler | None] | None = None
         self._clip_check: tuple[Any, bool] | None = None   # (trainer, checked in clipping) for this fit
-        self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
         self._batch_idx: list[int] = []
         self._warned_manual = False
 
     # -- setup ------------------------------------------------------------------------------------------
 
-    def _attach(self, trainer: Any, module: Any) -> HookedGuard:
+    def _attach(self, trainer: Any, module: Any) -> Any:
         self._install_clip(trainer)
         if self._guard is None or self._guard.model is not module:
             self._step = LightningStep(trainer, module)
-            self._guard = HookedGuard(command="lightning", who="nanprobe (Lightning)", model=module,
-                                      build_target=partial(self._target, trainer, module), config=self.config,
-                                      policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
-                                      max_reports=self.max_reports, events=self.events)
-            self._guard.core.curves = partial(_log_curves, trainer)
+            self._new_guard(module, partial(self._target, trainer, module), partial(_log_curves, trainer))
         return self._guard
 
     def _target(self, trainer: Any, module: Any) -> Target:
@@ -238,15 +202,13 @@ class NanprobeCallback(_Base):
         g.micro(batch, self._current[0])
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        g = self._guard
-        if g is None or g.busy or not g.in_step:
-            return
-        scaler = self._scaler(trainer)
-        g.note_loss(loss, scale=scaler._scale if scaler is not None and scaler._scale is not None else None)
+        g = self._live()
+        if g is not None:
+            scaler = self._scaler(trainer)
+            g.note_loss(loss, scale=scaler._scale if scaler is not None and scaler._scale is not None else None)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer) -> None:
-        g = self._guard
-        if g is None or g.busy or not g.in_step or self._current is None:
+        if self._live() is None:
             return
         step, epoch = self._current
         self._step.batch_idx[step] = tuple(self._batch_idx)
@@ -255,19 +217,16 @@ class NanprobeCallback(_Base):
         if self._clips_by_norm(trainer, pl_module):
             self._deferred = optimizer   # checked right after Lightning's clipping, with the norm it computes
             return
-        self._check(trainer, optimizer, None)
+        self._check_step(trainer, optimizer, None)
 
-    def _check(self, trainer: Any, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> None:
-        g = self._guard
+    def _check_step(self, trainer: Any, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> None:
         step, epoch = self._current
         accumulate = max(int(trainer.accumulate_grad_batches), 1)
         position = Position(step=step, epoch=epoch, index=self._batch_idx[0] // accumulate,
                             items=tuple(self._batch_idx))
-        scaler = self._scaler(trainer)
         clip = trainer.gradient_clip_val if norm is not None else None
-        if g.check(step, [optimizer], norm=norm, scaler=scaler, position=position,
-                   max_grad_norm=float(clip) if clip else None):
-            skip_update([optimizer], scaler)
+        self._check(optimizer, norm=norm, scaler=self._scaler(trainer), position=position,
+                    max_grad_norm=float(clip) if clip else None)
 
     # -- the norm Lightning's clipping computes anyway ------------------------------------------------
 
@@ -279,7 +238,7 @@ class NanprobeCallback(_Base):
         clips = False
         if self._clip_plugin is not None and trainer.gradient_clip_val and \
                 str(trainer.gradient_clip_algorithm or "norm") == "norm":
-            base = _lightning_module_class()
+            base = _framework().LightningModule
             clips = type(module).configure_gradient_clipping is base.configure_gradient_clipping and \
                 type(module).clip_gradients is base.clip_gradients
         self._clip_check = (trainer, clips)
@@ -292,13 +251,12 @@ class NanprobeCallback(_Base):
         if self._clip_plugin is plugin or not callable(getattr(plugin, "main_params", None)):
             return
         self._uninstall_clip()
-        callback = self
 
         def clip_grad_by_norm(optimizer, clip_val):
             norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-            if callback._deferred is optimizer:
-                callback._deferred = None
-                callback._check(trainer, optimizer, norm)
+            if self._deferred is optimizer:
+                self._deferred = None
+                self._check_step(trainer, optimizer, norm)
             return norm
         plugin.clip_grad_by_norm = clip_grad_by_norm
         self._clip_plugin = plugin
@@ -309,26 +267,19 @@ class NanprobeCallback(_Base):
             del plugin.clip_grad_by_norm
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        g = self._guard
-        if g is None or g.busy or not self._stepped:
+        g = self._ended()
+        if g is None:
             return
-        self._stepped = False
         if self._deferred is not None:   # Lightning did not clip after all: the step went unchecked
             self._deferred = None
             g.reset()
-        g.after_update()
-        step, epoch = self._current or (int(trainer.global_step) - 1, int(trainer.current_epoch))
-        self._current = None
         try:
-            if g.pending is None:   # a good step
-                return
-            with _global_step_at(trainer, step):   # the reruns see the trainer as the step did
-                event = g.conclude(extra={"global_step": step, "epoch": epoch, "framework": _version()})
-        finally:   # the reruns above read the step's batch_idx and epoch from these
-            self._step.batch_idx.pop(step, None)
-            self._step.epoch.pop(step, None)
-        if event is not None and event.action == "stopped":
-            trainer.should_stop = True
+            if self._conclude((int(trainer.global_step) - 1, int(trainer.current_epoch)),
+                              partial(_global_step_at, trainer)):
+                trainer.should_stop = True
+        finally:   # the reruns read the step's batch_idx and epoch from these
+            self._step.batch_idx.clear()
+            self._step.epoch.clear()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._guard is not None:
@@ -345,31 +296,13 @@ def _log_curves(trainer: Any, step: int, values: dict[str, float]) -> None:
         logger_.log_metrics(values, step=trainer.global_step)
 
 
-@contextlib.contextmanager
-def _global_step_at(trainer: Any, step: int):
+def _global_step_at(trainer: Any, step: int) -> Any:
     """``trainer.global_step`` reads ``step`` meanwhile (Lightning counts the step done once it returned)."""
     try:
         tracker = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
-        saved = tracker.completed
+        return set_for(tracker, "completed", step)
     except AttributeError:  # pragma: no cover - another Lightning layout
-        yield
-        return
-    tracker.completed = step
-    try:
-        yield
-    finally:
-        tracker.completed = saved
-
-
-def _version() -> str:
-    import importlib.metadata as md
-
-    for dist in ("lightning", "pytorch-lightning"):
-        try:
-            return f"{dist} {md.version(dist)}"
-        except md.PackageNotFoundError:
-            continue
-    return "lightning"
+        return contextlib.nullcontext()
 
 
 __all__ = ["NanprobeCallback", "LightningStep"]

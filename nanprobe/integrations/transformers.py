@@ -3,17 +3,13 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NanprobeCallback()])
 
 While ``train()`` runs, the trainer's ``training_step`` is wrapped on the instance: each micro-batch
-(its inputs and ``num_items_in_batch``, the label-token count ``get_batch_samples`` computed over
-the whole accumulation window, the one the loss is normalised by) is noted with the RNG state and
-its loss; the global gradient norm is the one the Trainer's ``_clip_grad_norm`` / ``_get_grad_norm``
-return (before clipping, unscaled; wrapped on the instance too), else computed.
-``on_pre_optimizer_step`` checks the step (one device sync); on the first bad step the update is
-skipped (gradients set to None: ``optimizer.step()`` changes nothing), the capsule is written, and
-in ``on_step_end`` the step is diagnosed in the training process with the Trainer's own step as the
-``step_fn`` (:class:`TrainerStep`), the JSON report goes into ``dirpath`` and one line is logged.
-Then ``policy``: ``skip``, ``stop`` (``control.should_training_stop``), ``raise``, ``record``.
-Steps are ``state.global_step`` values (the number of optimizer steps done before the step). The
-scheduler and ``global_step`` advance on a skipped step.
+(its inputs and ``num_items_in_batch``, the label-token count the loss is normalised by over the whole
+accumulation window) is noted with the RNG state and its loss; the global gradient norm is the one the
+Trainer's ``_clip_grad_norm`` / ``_get_grad_norm`` return (before clipping, unscaled), else computed.
+``on_pre_optimizer_step`` checks the step (one device sync); a bad step's update is skipped, the capsule
+written, and in ``on_step_end`` the step is diagnosed in-process with the Trainer's own step as the
+``step_fn`` (:class:`TrainerStep`). Steps are ``state.global_step`` values; the scheduler and
+``global_step`` advance on a skipped step.
 """
 
 from __future__ import annotations
@@ -27,11 +23,13 @@ from typing import Any
 import torch
 
 from ..reach.feed import MicroBatches, Position
-from ..live import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update, total_norm
+from ..live import total_norm
+from ..live.events import _scaler_stage
 from ..base.errors import UsageError
 from ..base.precision import Precision
-from ..reach.target import Target, validate
+from ..reach.target import validate
 from . import require
+from ._callback import GuardedCallback, set_for
 
 try:
     from transformers import Trainer as _Trainer
@@ -43,14 +41,11 @@ except ImportError:
 
 def _find_trainer() -> Any:
     """The ``transformers.Trainer`` whose callback handler is calling us (callbacks get no reference)."""
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            break
-        obj = frame.f_locals.get("self")
-        if _Trainer is not None and isinstance(obj, _Trainer):
-            return obj
-        frame = frame.f_back
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth < 12:
+        if _Trainer is not None and isinstance(frame.f_locals.get("self"), _Trainer):
+            return frame.f_locals["self"]
+        frame, depth = frame.f_back, depth + 1
     return None
 
 
@@ -71,11 +66,8 @@ def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
 
 
 def _precision(args: Any) -> Precision:
-    if getattr(args, "bf16", False):
-        return Precision.BF16
-    if getattr(args, "fp16", False):
-        return Precision.FP16
-    return Precision.FP32
+    return Precision.BF16 if getattr(args, "bf16", False) else \
+        Precision.FP16 if getattr(args, "fp16", False) else Precision.FP32
 
 
 class TrainerStep:
@@ -129,7 +121,7 @@ class TrainerStep:
         return total
 
 
-class NanprobeCallback(_Base):
+class NanprobeCallback(GuardedCallback, _Base):
     """Guard every optimizer step of a ``transformers.Trainer`` run; diagnose the first bad one in-process.
 
     ``dirpath``: where the capsule and the JSON report go. ``policy``: ``skip`` (default), ``stop``
@@ -140,26 +132,20 @@ class NanprobeCallback(_Base):
     a line). ``events`` lists what happened.
     """
 
+    command, who, frameworks = "transformers", "nanprobe (transformers)", ("transformers",)
+
     def __init__(self, dirpath: str | os.PathLike = "nanprobe-reports", policy: str = "skip", *,
                  entry: str | None = None, config: Any = None, check_every: int | None = None,
                  max_reports: int = 1):
         if _Trainer is None:
             require("transformers", "transformers", "nanprobe.integrations.transformers.NanprobeCallback")
-        check_policy(policy, POLICIES, "NanprobeCallback(policy=...)")
-        self.dirpath = dirpath
-        self.policy = policy
-        self.entry = entry
-        self.max_reports = max_reports
-        self.config = resolve_config(config, "NanprobeCallback(config=...)", check_every=check_every)
-        self.events: list[HookEvent] = []
+        super().__init__(dirpath, policy, entry=entry, config=config, check_every=check_every,
+                         max_reports=max_reports)
         self._trainer: Any = None
-        self._guard: HookedGuard | None = None
         self._step: TrainerStep | None = None
         self._original: Any = None
         self._norm: torch.Tensor | None = None
         self._params: list[torch.nn.Parameter] = []
-        self._stepped = False
-        self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
         self._epoch = 0
         self._steps_in_epoch = 0       # optimizer steps done in the current epoch
         self._items_in_epoch = 0       # micro-batches seen in the current epoch
@@ -181,11 +167,7 @@ class NanprobeCallback(_Base):
         self._install()
         self._step = TrainerStep(trainer, self._original)
         self._params = list(trainer.model.parameters())   # walked once: a module walk per step costs ~0.1 ms
-        self._guard = HookedGuard(command="transformers", who="nanprobe (transformers)", model=trainer.model,
-                                  build_target=partial(self._target, trainer), config=self.config,
-                                  policy=self.policy, dirpath=self.dirpath, entry=self.entry, allowed=POLICIES,
-                                  max_reports=self.max_reports, events=self.events)
-        self._guard.core.curves = partial(_log_curves, trainer)
+        self._new_guard(trainer.model, lambda: validate(_target_dict(trainer, self._step), "NanprobeCallback"), partial(_log_curves, trainer))
         self._epoch = int(math.floor(state.epoch or 0)) - 1   # on_epoch_begin counts it up
         self._steps_in_epoch = self._items_in_epoch = 0
 
@@ -220,9 +202,6 @@ class NanprobeCallback(_Base):
         wrapper._nanprobe = True
         return wrapper
 
-    def _target(self, trainer: Any) -> Target:
-        return validate(_target_dict(trainer, self._step), "NanprobeCallback")
-
     def _scaler(self) -> torch.amp.GradScaler | None:
         scaler = getattr(self._trainer.accelerator, "scaler", None)
         return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
@@ -255,8 +234,7 @@ class NanprobeCallback(_Base):
             self._guard.reset()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        g = self._guard
-        if g is None or g.busy or not g.in_step or self._current is None:
+        if self._live() is None:
             return
         step, epoch = self._current
         opt = _unwrap_optimizer(self._trainer.optimizer)
@@ -266,32 +244,17 @@ class NanprobeCallback(_Base):
         if norm is None:   # the Trainer computed none (older versions without clipping): the gradients are final
             norm = total_norm([p.grad for p in self._params if p.grad is not None])
             if norm is not None and scaler is not None and scaler._scale is not None and \
-                    _stage(scaler, opt) != "unscaled":
+                    _scaler_stage(scaler, opt) != "unscaled":
                 norm = norm / scaler._scale
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        if g.check(step, [opt], norm=norm, scaler=scaler, position=position,
-                   max_grad_norm=clip):
-            skip_update([opt], scaler)
+        self._check(opt, norm=norm, scaler=scaler, position=position, max_grad_norm=clip)
         self._stepped = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        g = self._guard
-        if g is None or g.busy or not self._stepped:
+        if self._ended() is None:
             return None
-        self._stepped = False
         self._steps_in_epoch += 1
-        g.after_update()
-        step, epoch = self._current or (int(state.global_step) - 1, self._epoch)
-        self._current = None
-        if g.pending is None:   # a good step
-            return None
-        saved = state.global_step
-        state.global_step = step   # the reruns see the trainer state as the step did
-        try:
-            event = g.conclude(extra={"global_step": step, "epoch": epoch, "framework": _version()})
-        finally:
-            state.global_step = saved
-        if event is not None and event.action == "stopped":
+        if self._conclude((int(state.global_step) - 1, self._epoch), partial(set_for, state, "global_step")):
             control.should_training_stop = True
         return control
 
@@ -331,21 +294,6 @@ def replay_target(trainer: Any, num_training_steps: int | None = None) -> dict[s
     if trainer.optimizer is None or trainer.lr_scheduler is None:
         trainer.create_optimizer_and_scheduler(num_training_steps=num_training_steps)
     return _target_dict(trainer, TrainerStep(trainer, trainer.training_step))
-
-
-def _stage(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> str:
-    state = scaler._per_optimizer_states.get(id(opt))
-    stage = state.get("stage") if state else None
-    return getattr(stage, "name", "READY").lower()
-
-
-def _version() -> str:
-    import importlib.metadata as md
-
-    try:
-        return f"transformers {md.version('transformers')}"
-    except md.PackageNotFoundError:  # pragma: no cover
-        return "transformers"
 
 
 __all__ = ["NanprobeCallback", "TrainerStep", "replay_target"]
