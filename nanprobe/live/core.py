@@ -25,6 +25,7 @@ import math
 import struct
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from ..judge.monitor import close_step, curves_at, live_monitor
 from ..judge.updates import UpdateCheck, describe, update_forensics
 from ..reach.feed import Position
 from ..reach.state import RngTracker, module_tensor_attrs
-from ..capsule import unwrap
+from .. import capsule as _capsule
 from ..base.precision import device_of
 
 RNG_MODES = ("auto", "all", "torch")
@@ -51,39 +52,6 @@ def distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def rank_flags(loss: torch.Tensor | None, t_loss: float, norm: torch.Tensor | None, t_norm: float,
-               scaler_active: bool, device: torch.device, rank: int, world: int,
-               weights: torch.Tensor | None = None) -> torch.Tensor:
-    """[bad, first non-finite loss, weights], all-reduced (MAX) over the default group: every rank skips
-    the step any rank saw, learns the lowest rank whose own loss was non-finite (coded ``world - rank``;
-    0: none), whose gradients every other rank received through the gradient reduction, and whether the
-    last update made any rank's weights non-finite (``weights``: that rank's weights flag). Plain
-    tensors on ``device`` (never DTensors: a DTensor norm is reduced over its own mesh first)."""
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    loss_bad = torch.zeros((), dtype=torch.bool, device=device)
-    if loss is not None:
-        loss_bad = ~torch.isfinite(loss)
-        bad = bad | loss_bad | (loss > t_loss)
-    if norm is not None:
-        ok = torch.isfinite(norm)
-        bad = bad | (ok & (norm > t_norm))
-        if not scaler_active:
-            bad = bad | ~ok
-    weights_bad = ~torch.isfinite(weights) if weights is not None else torch.zeros((), dtype=torch.bool,
-                                                                                   device=device)
-    flag = torch.stack([bad.float(), loss_bad.float() * (world - rank), weights_bad.float()])
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return flag
-
-
-def loss_rank_of(code: float, world: int) -> int | None:
-    return world - int(code) if code > 0 else None
-
-
-def rank_reason(reason: str, loss_rank: int) -> str:
-    return f"{reason}: rank {loss_rank}'s loss was non-finite and its gradients reached every rank"
 
 
 def check_guard_config(cfg: GuardConfig, where: str) -> None:
@@ -141,7 +109,7 @@ class StepCore:
         self.cfg = cfg
         self.gcfg = cfg.guard
         self.model = model
-        self.module = unwrap(model)
+        self.module = _capsule.unwrap(model)
         self.logger = logger
         self.monitor = live_monitor(self.module, cfg, precision)    # the precursor monitor
         # the divergence model of replay and smoke, with the guard: thresholds; ``slow``: a slow divergence too,
@@ -252,7 +220,8 @@ class StepCore:
                 False
         elif status is not Status.FINITE and loss_rank not in (None, rank) and math.isfinite(loss_v or 0.0):
             # this rank's loss is finite: its non-finite gradients came through the gradient reduction
-            reason, local = rank_reason(reason or "bad step", loss_rank), False
+            reason, local = f"{reason or 'bad step'}: rank {loss_rank}'s loss was non-finite and its gradients " \
+                "reached every rank", False
         verdict = Verdict(status=status, reason=reason, local=local, record=record, rank=rank, world=world)
         # the flag is the largest L2 norm: finite weights whose squares pass 3.4e38 (a 1e38 sentinel row) read
         # as inf there; the exact check confirms it (rare path, every rank is here: the flag was reduced)
@@ -373,6 +342,29 @@ class StepCore:
             for m, attr, qual in self.attrs or ():
                 setattr(m, attr, now[qual])
 
+    def write_capsule(self, v: Verdict, folder: Path, capsules: list[Path], *, optimizers: list[Any],
+                      may_delete: Callable[[Path], bool] = lambda path: True, **fields: Any
+                      ) -> tuple[Path | None, str | None]:
+        """The capsule of bad step ``v`` in ``folder`` (``fields``: the adapter's objects, batches, RNG
+        states and settings, as :func:`nanprobe.capsule.build` takes them), then the adapter's list of
+        written ``capsules`` cut to ``guard.max_capsules``: (its path, None where there is no room; a
+        note where it could not be written)."""
+        if _capsule.no_room(capsules, self.gcfg.max_capsules):
+            return None, None
+        try:
+            data = _capsule.build(model=self.model, optimizers=optimizers, step=v.record.step,
+                                  status=v.status.value, reason=v.reason or "bad step",
+                                  record=_capsule.record_dict(v.record),
+                                  history=[_capsule.record_dict(h) for h in self.history], rank=v.rank,
+                                  world_size=v.world, local=v.local, carried=_capsule.carried_attrs(self.carried),
+                                  **fields)
+            path = _capsule.write(data, folder, model=self.model, optimizers=optimizers)
+            capsules.append(path)
+            _capsule.prune(capsules, self.gcfg.max_capsules, may_delete)
+        except OSError as exc:
+            return None, f"capsule not written: {exc.strerror or exc}"
+        return path, None
+
     # -- the one sync ---------------------------------------------------------------------------------
 
     def thresholds(self) -> tuple[float, float]:
@@ -399,15 +391,15 @@ class StepCore:
         if not parts:
             if not dist:
                 return None, given, False, None, False
-            flags = self._reduce_flag(None, given, scaler_active, dist, weights).tolist()
-            return None, given, bool(flags[0] > 0), loss_rank_of(flags[1], dist[1]), bool(flags[2] > 0)
-        device = parts[0].device
-        if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
-            parts = [t.float().reshape(()).to(device) for t in parts]
-        stacked = torch.stack(parts)
-        if dist:
-            nv = stacked[len(losses) + len(scales)] if norm_t is not None else given
-            stacked = torch.cat([stacked, self._reduce_flag(device, nv, scaler_active, dist, weights)])
+            stacked = self._reduce_flag(None, given, scaler_active, dist, weights)
+        else:
+            device = parts[0].device
+            if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
+                parts = [t.float().reshape(()).to(device) for t in parts]
+            stacked = torch.stack(parts)
+            if dist:
+                nv = stacked[len(losses) + len(scales)] if norm_t is not None else given
+                stacked = torch.cat([stacked, self._reduce_flag(device, nv, scaler_active, dist, weights)])
         values = stacked.tolist()   # the one device sync
         loss_v = None
         it = iter(values[len(losses):len(losses) + len(scales)])
@@ -420,25 +412,49 @@ class StepCore:
         norm_v = values[len(losses) + len(scales)] if norm_t is not None else given
         if not dist:
             return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[-1])
-        return loss_v, norm_v, bool(values[-3] > 0), loss_rank_of(values[-2], dist[1]), bool(values[-1] > 0)
+        # the first rank whose loss was non-finite is coded ``world - rank`` (0: none)
+        loss_rank = dist[1] - int(values[-2]) if values[-2] > 0 else None
+        return loss_v, norm_v, bool(values[-3] > 0), loss_rank, bool(values[-1] > 0)
 
     def _reduce_flag(self, device: torch.device | None, nv: torch.Tensor | float | None, scaler_active: bool,
                      dist: tuple[int, int], weights: torch.Tensor | None) -> torch.Tensor:
-        """Bad on this rank (non-finite loss or gradient, a spike) and the first rank with a non-finite
-        loss, all-reduced across ranks (:func:`rank_flags`): every rank skips the step any rank saw."""
+        """[bad, first non-finite loss, weights], all-reduced (MAX) over the default group: every rank skips
+        the step any rank saw (a non-finite loss or gradient, a spike), learns the lowest rank whose own
+        loss was non-finite (coded ``world - rank``; 0: none), whose gradients every other rank received
+        through the gradient reduction, and whether the last update made any rank's weights non-finite
+        (``weights``: this rank's weights flag). Plain tensors on ``device`` (never DTensors: a DTensor
+        norm is reduced over its own mesh first)."""
         if device is None:
             device = nv.device if isinstance(nv, torch.Tensor) else (
                 torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl"
                 else torch.device("cpu"))
-        if nv is not None and not isinstance(nv, torch.Tensor):
-            nv = torch.tensor(float(nv), device=device)
         t_loss, t_norm = self.thresholds()
-        lv = None
+        rank, world = dist
+        bad = loss_bad = weights_bad = torch.zeros((), dtype=torch.bool, device=device)
         if self.losses:
-            lv = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
-                              for t, s in self.losses]).sum()
-        return rank_flags(lv, t_loss, None if nv is None else nv.float().to(device), t_norm, scaler_active,
-                          device, *dist, weights=None if weights is None else weights.to(device))
+            loss = torch.stack([(t.float() / s if s is not None else t.float()).reshape(()).to(device)
+                                for t, s in self.losses]).sum()
+            loss_bad = ~torch.isfinite(loss)
+            bad = loss_bad | (loss > t_loss)
+        if nv is not None:
+            norm = (nv if isinstance(nv, torch.Tensor) else torch.tensor(float(nv), device=device)).float().to(device)
+            ok = torch.isfinite(norm)
+            bad = bad | (ok & (norm > t_norm))
+            if not scaler_active:
+                bad = bad | ~ok
+        if weights is not None:
+            weights_bad = ~torch.isfinite(weights.to(device))
+        flag = torch.stack([bad.float(), loss_bad.float() * (world - rank), weights_bad.float()])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag
+
+
+class Adapter:
+    """What both adapters (``nanprobe.Guard``, the hook-driven guard) show of their core."""
+
+    core: StepCore
+    monitor = property(lambda self: self.core.monitor)     # the precursor monitor
+    warnings = property(lambda self: self.core.warnings)   # its one early warning
 
 
 def _f32(x: float) -> float:
@@ -452,5 +468,5 @@ def _f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-__all__ = ["StepCore", "Verdict", "distributed", "rank_flags", "loss_rank_of", "rank_reason", "check_guard_config",
-           "current_lr", "grads_of", "total_norm", "RNG_MODES"]
+__all__ = ["StepCore", "Verdict", "Adapter", "distributed", "check_guard_config", "current_lr", "grads_of",
+           "total_norm", "RNG_MODES"]

@@ -22,17 +22,16 @@ import torch
 from .. import capsule as _capsule
 from ..base.config import Config, GuardConfig, _build, load_config
 from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
-from ..base.precision import Precision, device_of, parse_precision, weights_precision
+from ..base.precision import Precision, parse_precision, weights_precision
 from ..base.report import Status
 from ..base.sharding import clip_norm, fsdp1_root, total_norm
 from ..reach.state import capture_rng
 from ..reach.target import named
-from .core import StepCore, Verdict, check_guard_config
+from .core import Adapter, StepCore, Verdict, check_guard_config
 
 logger = logging.getLogger("nanprobe.guard")
 
 POLICIES = ("skip", "raise", "record")
-RNG_MODES = ("auto", "all", "torch")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +91,7 @@ def _guard_config(config: Any) -> GuardConfig:
                      "Pass a nanprobe Config, its .guard section, a YAML path or a dict of guard keys")
 
 
-class Guard:
+class Guard(Adapter):
     """Skip bad optimizer updates in your own loop, and save the step for ``nanprobe run --capsule``.
 
     The whole loop::
@@ -169,7 +168,6 @@ class Guard:
         self.capsule_dir = Path(cfg.capsule_dir).resolve()
         self.events: list[GuardEvent] = []
         self.capsules: list[Path] = []
-        self._device_type = device_of(_capsule.unwrap(model)).type
         self._next = int(start_step)        # number of the next step
         self._current: int | None = None    # number of the step in progress (after guard.step entered)
         self._order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None   # _params' walk, by stepped ids
@@ -181,14 +179,6 @@ class Guard:
         self.core = StepCore(model, dataclasses.replace(full, guard=cfg), self.precision, logger)
         if not self.enabled:
             self.core.monitor = None
-
-    @property
-    def monitor(self):
-        return self.core.monitor
-
-    @property
-    def warnings(self) -> list[dict[str, Any]]:
-        return self.core.warnings
 
     # -- the verbs ----------------------------------------------------------------------------------
 
@@ -279,14 +269,6 @@ class Guard:
             self._order = key, [p for p in model if id(p) in ids] + [p for p in stepped if id(p) not in in_model]
         return [p for p in self._order[1] if p.grad is not None]
 
-    def _unscale(self, scaler: torch.amp.GradScaler) -> None:
-        for opt in self.optimizers:
-            try:
-                scaler.unscale_(opt)
-            except RuntimeError as exc:
-                if "already been called" not in str(exc):
-                    raise
-
     def _closure_step(self, step: int, closure: Any, max_grad_norm: float | None) -> bool:
         if len(self.optimizers) != 1 or self._active_scaler() is not None:
             raise UsageError("Guard.optimizer_step(closure=...) with several optimizers or a GradScaler",
@@ -328,7 +310,12 @@ class Guard:
         scaler = self._active_scaler()
         checked = self.enabled and step % self.cfg.check_every == 0
         if scaler is not None and (max_grad_norm or checked):
-            self._unscale(scaler)
+            for opt in self.optimizers:
+                try:
+                    scaler.unscale_(opt)
+                except RuntimeError as exc:   # the loop unscaled them itself
+                    if "already been called" not in str(exc):
+                        raise
         params = self._params() if (max_grad_norm or checked) else []
         norm: torch.Tensor | float | None = None
         every_rank = fsdp1_root(self.model) is not None   # FSDP1: a rank may hold no gradient, yet reduces
@@ -378,14 +365,8 @@ class Guard:
         policy = self.cfg.policy
         corrupt = self.core.caught(v, policy)
         step, r = v.record.step, v.record
-        path = None
-        note = ""
-        if not corrupt:
-            try:
-                path = self._write_capsule(v, scaler, max_grad_norm)
-            except OSError as exc:
-                note = f" (capsule not written: {exc.strerror or exc})"
-        command = self._command(path) if path else (
+        path, note = (None, None) if corrupt else self._write_capsule(v, scaler, max_grad_norm)
+        command = _capsule.replay_command(self.entry, path) if path else (
             f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {max(step - 1, 0)}"
             if corrupt else None)
         why = self.core.stop_reason(policy, corrupt)
@@ -408,34 +389,25 @@ class Guard:
         who = f"rank {v.rank}: " if v.world > 1 else ""
         verb = {"skipped": "update skipped", "recorded": "update applied (policy record)",
                 "raised": "update skipped, stopping"}[action]
-        logger.warning("nanprobe.Guard: %sstep %d %s: %s.%s %s", who, step, verb, v.reason, note,
-                       f"Replay it: {command}" if command else "")
+        logger.warning("nanprobe.Guard: %sstep %d %s: %s.%s %s", who, step, verb, v.reason,
+                       f" ({note})" if note else "", f"Replay it: {command}" if command else "")
         if action == "raised":
             raise GuardTripped(event, why)
         return applied
 
     def _write_capsule(self, v: Verdict, scaler: torch.amp.GradScaler | None,
-                       max_grad_norm: float | None) -> Path | None:
-        if _capsule.no_room(self.capsules, self.cfg.max_capsules):
-            return None
+                       max_grad_norm: float | None) -> tuple[Path | None, str | None]:
         core = self.core
-        micro_rng = [dict(r) for r in core.rng_after] or [capture_rng(self._device_type)]
+        micro_rng = [dict(r) for r in core.rng_after] or [capture_rng(core.device_type)]
         if "python" not in micro_rng[0]:   # not copied at step start: the step does not draw from them (rng_states)
             host = capture_rng("cpu", host=True)
             for r in micro_rng:
                 r.update({k: val for k, val in host.items() if k in ("python", "numpy")})
-        data = _capsule.build(model=self.model, optimizers=self.optimizers, schedulers=self.schedulers,
-                              scalers=[scaler] if scaler is not None else [],
-                              micro_batches=core.items if core.items else None, rng=micro_rng[0], micro_rng=micro_rng,
-                              step=v.record.step, precision=self.precision, status=v.status.value, reason=v.reason,
-                              record=_capsule.record_dict(v.record),
-                              history=[_capsule.record_dict(h) for h in core.history], entry=self.entry, rank=v.rank,
-                              world_size=v.world, local=v.local, max_grad_norm=max_grad_norm,
-                              carried=_capsule.carried_attrs(core.carried), grad_scaler=scaler is not None)
-        path = _capsule.write(data, self.capsule_dir, model=self.model, optimizers=self.optimizers)
-        self.capsules.append(path)
-        _capsule.prune(self.capsules, self.cfg.max_capsules, self._own_capsule)
-        return path
+        return core.write_capsule(v, self.capsule_dir, self.capsules, optimizers=self.optimizers,
+                                  may_delete=self._own_capsule, schedulers=self.schedulers,
+                                  scalers=[scaler] if scaler is not None else [], micro_batches=core.items or None,
+                                  rng=micro_rng[0], micro_rng=micro_rng, precision=self.precision, entry=self.entry,
+                                  max_grad_norm=max_grad_norm, grad_scaler=scaler is not None)
 
     def _own_capsule(self, path: Path) -> bool:
         """A file the guard may delete: in its capsule folder, named as nanprobe names capsules, and a
@@ -454,9 +426,6 @@ class Guard:
         except NanprobeError:
             return False
         return True
-
-    def _command(self, path: Path) -> str:
-        return _capsule.replay_command(self.entry, path)
 
     # -- state ---------------------------------------------------------------------------------------
 

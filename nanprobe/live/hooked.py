@@ -1,22 +1,15 @@
 """HookedGuard: nanprobe.Guard's semantics, driven by the hooks of a loop nanprobe does not run.
 
-The framework (or the user's script) calls forward, backward and ``optimizer.step()``; nanprobe
-sees the step through hooks and does what :class:`nanprobe.Guard` does in a user's own loop:
-
-* per micro-batch (:meth:`HookedGuard.micro`): the batch by reference and the RNG state when the
-  step reached it (the first one also copies persistent buffers such as BatchNorm statistics);
-* per backward (:meth:`HookedGuard.note_loss`): the loss, detached, no sync;
-* before the update (:meth:`HookedGuard.check`): the global gradient norm (foreach kernels) and
-  the loss read back in ONE device sync (under ``torch.distributed`` the bad flag is all-reduced in
-  that same sync, so every rank skips the same step), judged like a replayed step (non-finite
-  loss or gradient, loss / gradient-norm spikes, runs of GradScaler skips). A bad step's state
-  before it is copied and its capsule written there, and the caller skips the update
-  (:func:`skip_update`: gradients set to None make ``optimizer.step()`` change nothing);
-* after the framework finished the step (:meth:`HookedGuard.finish`): the bad step is diagnosed
-  in-process with the framework's own step as a ``step_fn`` (:func:`nanprobe.pipeline.diagnose.diagnose_target`:
-  the instrumented rerun, the precision comparison, verified fixes, the fidelity check); the
-  framework's state after its step (scheduler, GradScaler, RNG) is put back afterwards, so
-  training goes on exactly as the framework left it, minus the update.
+The framework (or the user's script) calls forward, backward and ``optimizer.step()``; nanprobe sees the
+step through hooks and feeds them to the step core (:mod:`nanprobe.live.core`): :meth:`HookedGuard.micro`
+per micro-batch, :meth:`HookedGuard.note_loss` per backward, :meth:`HookedGuard.check` before the update.
+A bad step's state before it is copied and its capsule written there, and the caller skips the update
+(:func:`skip_update`: gradients set to None make ``optimizer.step()`` change nothing). After the framework
+finished the step (:meth:`HookedGuard.finish`) the bad step is diagnosed in-process with the framework's
+own step as a ``step_fn`` (:func:`nanprobe.pipeline.diagnose.diagnose_target`: the instrumented rerun, the
+precision comparison, verified fixes, the fidelity check); the framework's state after its step
+(scheduler, GradScaler, RNG) is put back afterwards, so training goes on exactly as the framework left
+it, minus the update.
 
 Nothing here prints; the callers log one line per event. Steps nanprobe reruns while diagnosing
 do not reach the hooks (``busy``).
@@ -49,11 +42,11 @@ from ..reach.replay import Reached, scheduler_info, storage_policy
 from ..reach.state import Snapshot
 from ..reach.step import Loop
 from ..reach.target import Target
-from .core import StepCore, Verdict, check_guard_config, current_lr
+from .core import Adapter, StepCore, Verdict, check_guard_config, current_lr
 from .events import POLICIES, HookEvent, Stopped, check_policy
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Pending:
     """A bad step caught by check(), waiting for the framework to finish its step."""
 
@@ -63,23 +56,23 @@ class Pending:
     local: bool
     record: StepRecord
     history: list[StepRecord]
-    loop: Loop
-    before: Snapshot | None           # None: this bad step is not diagnosed in-process (max_reports)
-    items: list[Any]
-    rng_after: list[dict[str, Any]]
-    position: Position | None
-    capsule: Path | None
-    capsule_note: str | None
+    loop: Loop | None                 # None: weights an applied update made non-finite (never rerun)
     corrupt: bool
     rank: int
     world: int
+    before: Snapshot | None = None    # None: this bad step is not diagnosed in-process (max_reports)
+    items: list[Any] = dataclasses.field(default_factory=list)
+    rng_after: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    position: Position | None = None
+    capsule: Path | None = None
+    capsule_note: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
     compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
     undiagnosed: str | None = None      # why this bad step gets no in-process diagnosis (``before`` is None)
     report: Report | None = None        # made without a rerun (weights an applied update made non-finite)
 
 
-class HookedGuard:
+class HookedGuard(Adapter):
     """The guard's checks, capsule and in-process diagnosis, driven by a framework's hooks.
 
     ``build_target`` (called on a bad step only) returns the :class:`nanprobe.Target` whose
@@ -95,8 +88,7 @@ class HookedGuard:
         self.command = command
         self.who = who
         self.cfg = config or load_config()
-        self.gcfg = self.cfg.guard
-        check_guard_config(self.gcfg, who)
+        check_guard_config(self.cfg.guard, who)
         self.policy = check_policy(policy, allowed, who)
         self.dirpath = Path(dirpath)
         self.entry = entry
@@ -125,29 +117,9 @@ class HookedGuard:
 
     # -- capture --------------------------------------------------------------------------------------
 
-    @property
-    def history(self):
-        return self.core.history
-
-    @property
-    def judge(self):
-        return self.core.judge
-
-    @property
-    def monitor(self):
-        return self.core.monitor
-
-    @property
-    def warnings(self) -> list[dict[str, Any]]:
-        return self.core.warnings
-
-    @property
-    def checks(self) -> int:
-        return self.core.checks
-
-    @property
-    def in_step(self) -> bool:
-        return self.core.in_step
+    history = property(lambda self: self.core.history)
+    checks = property(lambda self: self.core.checks)
+    in_step = property(lambda self: self.core.in_step)
 
     def micro(self, batch: Any, step: int) -> None:
         """A micro-batch of step ``step`` is about to run (the first one starts the step)."""
@@ -212,8 +184,10 @@ class HookedGuard:
             if not v.bad or v.status is Status.DIVERGING:
                 core.passed(v, optimizers, scaler)
                 self._updating = (step, optimizers)
-                if v.status is Status.DIVERGING:   # a slow divergence: a report, training goes on as it is
-                    self._diverging(v, position)
+                # a slow divergence: the loss broke away with a precursor behind it; diagnosed after the
+                # framework's step (trajectory, mechanism), nothing skipped, no capsule (the step is finite)
+                if v.status is Status.DIVERGING:
+                    self._pend(v, position, None, corrupt=False)
                 return False
             settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler is not None}   # for the capsule
             return self._bad(v, position, settings)
@@ -232,12 +206,9 @@ class HookedGuard:
         if rows and self.reports < self.max_reports:
             self.reports += 1
             report = self._update_report(upd, step)
-        target = self.build_target()
         self.pending = Pending(step=step, status=Status.NONFINITE, reason=reason, local=bool(rows), record=record,
-                               history=list(self.history), loop=Loop(target, self.entry or f"<{self.command}>",
-                                                                     target.precision),
-                               before=None, items=[], rng_after=[], position=None, capsule=None, capsule_note=None,
-                               corrupt=True, rank=rank, world=world, report=report)
+                               history=list(self.history), loop=None, corrupt=True, rank=rank, world=world,
+                               report=report)
         self.history.append(record)
         if self.on_bad is not None:
             self.on_bad(self.pending)
@@ -259,11 +230,6 @@ class HookedGuard:
                       notes=(f"caught in the check of a later step; the state before this "
                              f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
                              "the step from your checkpoint or step 0 and reruns the update instrumented",))
-
-    def _diverging(self, v: Verdict, position: Position | None) -> None:
-        """The loss broke away with a precursor behind it: the step is diagnosed after the framework's step
-        (trajectory, mechanism), nothing is skipped and no capsule is written (the step itself is finite)."""
-        self._pend(v, position, None, corrupt=False)
 
     def _bad(self, v: Verdict, position: Position | None, settings: dict[str, Any]) -> bool:
         corrupt = self.core.caught(v, self.policy if self.can_skip else "record")   # nothing skipped: buffers kept
@@ -296,37 +262,19 @@ class HookedGuard:
             self.reports += 1
         path = note = None
         if settings is not None and not corrupt:
-            try:
-                path = self._write_capsule(loop, items, rng, rng_after, v, position, settings)
-            except OSError as exc:
-                note = f"capsule not written: {exc.strerror or exc}"
+            pos = None if position is None else {"epoch": position.epoch, "index": position.index,
+                                                 "items": list(position.items)}
+            path, note = core.write_capsule(v, self.dirpath, self.capsules,
+                                            optimizers=[o for _, o in target.optimizers],
+                                            schedulers=[s for _, s in target.schedulers],
+                                            scalers=[s for _, s in loop.objects.scalers()], micro_batches=items,
+                                            rng=rng, micro_rng=rng_after, precision=target.precision,
+                                            entry=self.entry, position=pos, form=target.form, **settings)
         default = "slow divergence" if settings is None else "bad step"
         self.pending = Pending(step=v.record.step, status=v.status, reason=v.reason or default, local=v.local,
                                record=v.record, history=list(core.history), loop=loop, before=before, items=items,
                                rng_after=rng_after, position=position, capsule=path, capsule_note=note,
                                corrupt=corrupt, rank=v.rank, world=v.world, undiagnosed=undiagnosed)
-
-    def _write_capsule(self, loop: Loop, items, rng, rng_after, v: Verdict, position: Position | None,
-                       settings: dict[str, Any]) -> Path | None:
-        if _capsule.no_room(self.capsules, self.gcfg.max_capsules):
-            return None
-        target = loop.target
-        carried = _capsule.carried_attrs(self.core.carried)
-        pos = None if position is None else {"epoch": position.epoch, "index": position.index,
-                                             "items": list(position.items)}
-        data = _capsule.build(model=target.model, optimizers=[o for _, o in target.optimizers],
-                              schedulers=[s for _, s in target.schedulers],
-                              scalers=[s for _, s in loop.objects.scalers()], micro_batches=items, rng=rng,
-                              micro_rng=rng_after, step=v.record.step, precision=target.precision,
-                              status=v.status.value, reason=v.reason or "bad step", record=_capsule.record_dict(v.record),
-                              history=[_capsule.record_dict(h) for h in self.core.history], entry=self.entry,
-                              rank=v.rank, world_size=v.world, local=v.local, position=pos, carried=carried, form=target.form,
-                              **settings)
-        path = _capsule.write(data, self.dirpath, model=target.model,
-                              optimizers=[o for _, o in target.optimizers])
-        self.capsules.append(path)
-        _capsule.prune(self.capsules, self.gcfg.max_capsules)
-        return path
 
     # -- after the framework's step: diagnose ---------------------------------------------------------
 
