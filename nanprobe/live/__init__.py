@@ -1,6 +1,6 @@
 """Guard semantics for loops nanprobe does not run: the Lightning and transformers callbacks, `nanprobe watch`.
 
-:class:`HookedGuard` (``guard.py``) is driven by a framework's hooks; ``events.py`` holds what it
+:class:`HookedGuard` (``hooked.py``) is driven by a framework's hooks; ``events.py`` holds what it
 reports and the pieces its users share.
 """
 

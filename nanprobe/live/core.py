@@ -12,29 +12,30 @@ transformers callbacks) translate their events into the core's:
   replay and smoke; the update-born check names an earlier update that made the weights non-finite;
 * :meth:`StepCore.passed` after a good step (the precursor monitor, the history), :meth:`StepCore.applied`
   after its update (the weights flag queued for the next check), :meth:`StepCore.caught` on a bad one
-  (buffers put back unless the policy records, weights already non-finite found out).
+  (buffers put back unless the policy records, weights already non-finite found out), and
+  :meth:`StepCore.write_capsule` writes its capsule from the objects the adapter passes.
 
-What follows a verdict (skip, raise, record, write a capsule, diagnose in-process) is the adapter's: the
-policy is a parameter of the adapter, not a kind of core.
+What follows a verdict (skip, raise, record, whether to write a capsule, diagnose in-process) is the
+adapter's: the policy is a parameter of the adapter, not a kind of core.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..base.config import Config, GuardConfig
+from ..base.config import Config, GuardConfig, _build, load_config
 from ..base.errors import UsageError
 from ..base.report import Status, StepRecord
-from ..base.sharding import fsdp1_root, full_value, weights_finite
-from ..base.sharding import total_norm as group_norm
+from ..base.sharding import full_value, weights_finite
 from ..judge.divergence import Breakaway, Judge
 from ..judge.monitor import close_step, curves_at, live_monitor
 from ..judge.updates import UpdateCheck, describe, update_forensics
@@ -64,6 +65,24 @@ def check_guard_config(cfg: GuardConfig, where: str) -> None:
     if cfg.check_updates_every < 1:
         raise UsageError(f"guard.check_updates_every is {cfg.check_updates_every}", where,
                          "Use 1 to read the weights after every checked update, or k for every k-th")
+
+
+def resolve_config(config: Any, where: str, **guard: Any) -> Config:
+    """A Config from None (the defaults), a Config, a YAML path or a dict of sections; ``guard`` keys
+    that are not None override the guard section (e.g. ``check_every``)."""
+    if config is None:
+        cfg = load_config()
+    elif isinstance(config, Config):
+        cfg = config
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = load_config(config)
+    elif isinstance(config, Mapping):
+        cfg = _build(dict(config), where, base=load_config())
+    else:
+        raise UsageError(f"config={type(config).__name__!s} is not a config", where,
+                         "Pass a nanprobe Config, a YAML path or a dict of sections such as {'guard': {...}}")
+    overrides = {k: v for k, v in guard.items() if v is not None}
+    return _build({"guard": overrides}, where, base=cfg) if overrides else cfg
 
 
 def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
@@ -96,10 +115,6 @@ class Verdict:
     world: int
     # an earlier applied update made the weights non-finite: (its step, its optimizers); that step is the bad one
     update_born: tuple[int, list[torch.optim.Optimizer]] | None = None
-
-    @property
-    def bad(self) -> bool:
-        return self.status is not Status.FINITE or self.update_born is not None
 
 
 class StepCore:
@@ -137,13 +152,9 @@ class StepCore:
         self._update_optimizers: list[torch.optim.Optimizer] = []     # those of the last applied update
         self._buffers = [b for m in self.module.modules() for name, b in m._buffers.items()
                          if b is not None and name not in m._non_persistent_buffers_set]
-        self._shadow = [b.detach().clone() for b in self._buffers] if self._buffers else []
+        self._shadow = [b.detach().clone() for b in self._buffers]
 
     # -- capture --------------------------------------------------------------------------------------
-
-    @property
-    def in_step(self) -> bool:
-        return bool(self.items)
 
     def begin(self, step: int, batch: Any) -> None:
         """A micro-batch of step ``step`` is about to run (the first one starts the step)."""
@@ -164,9 +175,8 @@ class StepCore:
     def note_loss(self, loss: torch.Tensor, scale: torch.Tensor | float | None = None) -> None:
         """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by).
         Kept detached; read back with the norm in the check's one sync."""
-        if not self.checked or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            return
-        self.losses.append((loss.detach(), scale))
+        if self.checked and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.losses.append((loss.detach(), scale))
 
     def reset(self) -> None:
         """The step is over (checked or not): drop what was captured for it."""
@@ -180,13 +190,6 @@ class StepCore:
         return self._world
 
     # -- the check ------------------------------------------------------------------------------------
-
-    def norm(self, optimizers: list[torch.optim.Optimizer]) -> torch.Tensor | None:
-        """The global gradient norm of the optimizers' gradients (FSDP1: the shard norms summed over its
-        process group)."""
-        if fsdp1_root(self.model) is not None:
-            return group_norm(self.model, grads_of(optimizers))
-        return total_norm(grads_of(optimizers))
 
     def check(self, step: int, optimizers: list[torch.optim.Optimizer], norm: torch.Tensor | float | None,
               scaler: torch.amp.GradScaler | None, position: Position | None = None) -> Verdict:
@@ -238,10 +241,6 @@ class StepCore:
 
     def _precursor(self, facts: dict[str, Any]) -> str | None:
         return self.monitor.trend.precursor(facts, self.judge.slow.patience)
-
-    def unchecked(self) -> None:
-        """A step that is not checked (guard.check_every) ran its update."""
-        self.updates.unchecked()
 
     def passed(self, verdict: Verdict, optimizers: list[torch.optim.Optimizer],
                scaler: torch.amp.GradScaler | None) -> None:
@@ -299,10 +298,10 @@ class StepCore:
         self.consecutive += 1
         names = {id(q): n for n, q in self.module.named_parameters()}
         upd = update_forensics(optimizers, names)
-        reason = describe(upd, step) if upd.get("nonfinite_parameters") else \
-            f"the optimizer update of step {step} made the weights non-finite" + (" on another rank" if world > 1
-                                                                                   else "")
-        return upd, reason
+        if upd.get("nonfinite_parameters"):
+            return upd, describe(upd, step)
+        return upd, f"the optimizer update of step {step} made the weights non-finite" + \
+            (" on another rank" if world > 1 else "")
 
     def caught(self, verdict: Verdict, policy: str) -> bool:
         """A bad step (not update-born): the run of bad steps grows, persistent buffers are put back as
@@ -381,9 +380,8 @@ class StepCore:
         losses = self.losses
         given = None if norm is None or isinstance(norm, torch.Tensor) else float(norm)   # the caller's number
         norm_t = norm if isinstance(norm, torch.Tensor) else None
-        parts: list[torch.Tensor] = [t for t, _ in losses]
         scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
-        parts += scales
+        parts: list[torch.Tensor] = [t for t, _ in losses] + scales
         if norm_t is not None:
             parts.append(norm_t.detach())
         if weights is not None and not dist:
@@ -404,10 +402,8 @@ class StepCore:
         loss_v = None
         it = iter(values[len(losses):len(losses) + len(scales)])
         for (_, scale), v in zip(losses, values):   # float32 sums as torch adds them, exactly (see _f32)
-            if isinstance(scale, torch.Tensor):
-                v = _f32(v / next(it))
-            elif scale is not None:
-                v = _f32(v / scale)
+            if scale is not None:
+                v = _f32(v / (next(it) if isinstance(scale, torch.Tensor) else scale))
             loss_v = v if loss_v is None else _f32(loss_v + v)
         norm_v = values[len(losses) + len(scales)] if norm_t is not None else given
         if not dist:
@@ -468,5 +464,5 @@ def _f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-__all__ = ["StepCore", "Verdict", "Adapter", "distributed", "check_guard_config", "current_lr", "grads_of",
-           "total_norm", "RNG_MODES"]
+__all__ = ["StepCore", "Verdict", "Adapter", "distributed", "check_guard_config", "resolve_config", "current_lr",
+           "grads_of", "total_norm", "RNG_MODES"]

@@ -3,17 +3,14 @@ skipping an update from a hook, the configuration, gradient norms."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ..base.config import Config, load_config
 from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
 from ..base.errors import short_path as shown   # a path as the user reads it
-from .core import current_lr, distributed, grads_of, total_norm
+from .core import current_lr, distributed, grads_of, resolve_config, total_norm
 from .guard import GuardTripped
 
 POLICIES = ("skip", "raise", "stop", "record")
@@ -79,26 +76,6 @@ def check_policy(policy: str, allowed: Iterable[str], where: str) -> str:
     return policy
 
 
-def resolve_config(config: Any, where: str, **guard: Any) -> Config:
-    """A Config from None (the defaults), a Config, a YAML path or a dict of sections; ``guard`` keys
-    that are not None override the guard section (e.g. ``check_every``)."""
-    from ..base.config import _build
-
-    if config is None:
-        cfg = load_config()
-    elif isinstance(config, Config):
-        cfg = config
-    elif isinstance(config, (str, os.PathLike)):
-        cfg = load_config(config)
-    elif isinstance(config, Mapping):
-        cfg = _build(dict(config), where, base=load_config())
-    else:
-        raise UsageError(f"config={type(config).__name__!s} is not a config", where,
-                         "Pass a nanprobe Config, a YAML path or a dict of sections such as {'guard': {...}}")
-    overrides = {k: v for k, v in guard.items() if v is not None}
-    return _build({"guard": overrides}, where, base=cfg) if overrides else cfg
-
-
 def skip_update(optimizers: Iterable[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None = None) -> None:
     """Make the coming ``optimizer.step()`` of each optimizer change nothing (weights and optimizer state):
     its gradients are set to None for the step (torch's optimizers skip parameters without a gradient) and
@@ -110,7 +87,8 @@ def skip_update(optimizers: Iterable[torch.optim.Optimizer], scaler: torch.amp.G
     one-shot pre-hook, which runs only when the scaler lets the step through.
     """
     for opt in optimizers:
-        if scaler is not None and scaler.is_enabled() and _scaler_stage(scaler, opt) != "unscaled":
+        stage = (getattr(scaler, "_per_optimizer_states", {}).get(id(opt)) or {}).get("stage")
+        if scaler is not None and scaler.is_enabled() and getattr(stage, "name", "READY") != "UNSCALED":
             handle = None
 
             def drop(o, args, kwargs, _opt=opt):
@@ -138,12 +116,6 @@ def _drop_grads(opt: torch.optim.Optimizer) -> None:
         handle.remove()
 
     handle = opt.register_step_post_hook(put_back)
-
-
-def _scaler_stage(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> str:
-    state = scaler._per_optimizer_states.get(id(opt)) if hasattr(scaler, "_per_optimizer_states") else None
-    stage = state.get("stage") if state else None
-    return getattr(stage, "name", "READY").lower()
 
 
 __all__ = ["HookEvent", "Stopped", "POLICIES", "check_policy", "resolve_config", "distributed",

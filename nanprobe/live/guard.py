@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from .. import capsule as _capsule
-from ..base.config import Config, GuardConfig, _build, load_config
+from ..base.config import Config, GuardConfig, load_config
 from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
 from ..base.precision import Precision, parse_precision, weights_precision
 from ..base.report import Status
 from ..base.sharding import clip_norm, fsdp1_root, total_norm
 from ..reach.state import capture_rng
 from ..reach.target import named
-from .core import Adapter, StepCore, Verdict, check_guard_config
+from .core import Adapter, StepCore, Verdict, check_guard_config, resolve_config
 
 logger = logging.getLogger("nanprobe.guard")
 
@@ -74,21 +74,6 @@ class _StepContext:
 
     def __exit__(self, *exc) -> bool:
         return False
-
-
-def _guard_config(config: Any) -> GuardConfig:
-    if config is None:
-        return load_config().guard
-    if isinstance(config, GuardConfig):
-        return config
-    if isinstance(config, Config):
-        return config.guard
-    if isinstance(config, (str, os.PathLike)):
-        return load_config(config).guard
-    if isinstance(config, Mapping):
-        return _build({"guard": dict(config)}, "Guard(config=...)", base=load_config()).guard
-    raise UsageError(f"Guard(config=...) got {type(config).__name__}", "nanprobe.Guard",
-                     "Pass a nanprobe Config, its .guard section, a YAML path or a dict of guard keys")
 
 
 class Guard(Adapter):
@@ -149,12 +134,13 @@ class Guard(Adapter):
                              'Use "fp32", "bf16" or "fp16"') from None
         if self.precision is Precision.FP32:   # bf16/fp16 weights without autocast: the run's precision
             self.precision = weights_precision(_capsule.unwrap(model)) or self.precision
-        cfg = _guard_config(config)
-        overrides = {k: v for k, v in (("policy", policy), ("check_every", check_every),
-                                       ("capsule_dir", None if capsule_dir is None else str(capsule_dir)))
-                     if v is not None}
-        if overrides:
-            cfg = _build({"guard": overrides}, "nanprobe.Guard(...)", base=Config(guard=cfg)).guard
+        if not isinstance(config, (type(None), GuardConfig, Config, str, os.PathLike, Mapping)):
+            raise UsageError(f"Guard(config=...) got {type(config).__name__}", "nanprobe.Guard",
+                             "Pass a nanprobe Config, its .guard section, a YAML path or a dict of guard keys")
+        base = Config(guard=config) if isinstance(config, GuardConfig) else resolve_config(
+            {"guard": dict(config)} if isinstance(config, Mapping) else config, "Guard(config=...)")
+        cfg = resolve_config(base, "nanprobe.Guard(...)", policy=policy, check_every=check_every,
+                             capsule_dir=None if capsule_dir is None else str(capsule_dir)).guard
         check_guard_config(cfg, "nanprobe.Guard")
         self.model = model
         self.optimizer = optimizer
@@ -174,8 +160,7 @@ class Guard(Adapter):
         self._deferred = False              # inside a closure optimizer's step: it applies the update
         self._needs_closure = next((type(o).__name__ for o in self.optimizers if _needs_closure(o)), None)
         full = config if isinstance(config, Config) else load_config()   # the monitor's section
-        # the step's state and judgement: the divergence model of replay and smoke, the precursor monitor
-        # (every monitor.live_every steps) and its one early warning, the update-born check
+        # the step's state and judgement (the precursor monitor: every monitor.live_every steps)
         self.core = StepCore(model, dataclasses.replace(full, guard=cfg), self.precision, logger)
         if not self.enabled:
             self.core.monitor = None
@@ -193,17 +178,13 @@ class Guard(Adapter):
         Entering notes the RNG state; the batch is kept by reference (not copied), so a loss_fn
         that changes the batch in place makes the capsule hold the changed batch.
         """
-        if len(args) == 1:
-            batch = args[0]
-        elif len(args) == 2:
+        if len(args) > 2:
+            raise TypeError(f"Guard.step() takes (batch) or (step, batch), got {len(args)} arguments")
+        if len(args) == 2:
             if step is not None:
                 raise TypeError("Guard.step() got the step number twice")
-            step, batch = args
-        elif not args:
-            batch = None
-        else:
-            raise TypeError(f"Guard.step() takes (batch) or (step, batch), got {len(args)} arguments")
-        return _StepContext(self, batch, step)
+            step = args[0]
+        return _StepContext(self, args[-1] if args else None, step)
 
     def _begin(self, batch: Any, step: int | None) -> int:
         if step is not None:
@@ -288,8 +269,7 @@ class Guard(Adapter):
                     self._deferred = False
             return loss
 
-        opt = self.optimizers[0]
-        opt.step(guarded)
+        self.optimizers[0].step(guarded)
         if verdict and verdict[0] and self.enabled and step % self.cfg.check_every == 0:
             self.core.applied(step, self.optimizers)
         return verdict[0] if verdict else True
@@ -327,7 +307,7 @@ class Guard(Adapter):
             norm = total_norm(self.model, [p.grad for p in params])   # FSDP1: shard norms summed over its group
         if not checked:
             self._apply(scaler)
-            self.core.unchecked()
+            self.core.updates.unchecked()   # its update runs unread (guard.check_every)
             return True
         v = self.core.check(step, self.optimizers, norm, scaler)
         if v.update_born is not None:   # an earlier update made the weights non-finite (raises, but under "record")
@@ -378,8 +358,7 @@ class Guard(Adapter):
                 opt.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.update(scaler.get_scale())   # keep the scale; reset its per-step state
-            applied = False
-            action = "raised" if why else "skipped"
+            applied, action = False, "raised" if why else "skipped"
         event = GuardEvent(step=step, status=v.status.value, reason=v.reason, action=action, local=v.local,
                            capsule=str(path) if path else None, command=command, rank=v.rank,
                            loss=r.loss, grad_norm=r.grad_norm)

@@ -35,14 +35,14 @@ from ..base.config import Config, load_config
 from ..base.errors import UsageError
 from ..base.precision import device_of
 from ..base.report import Origin, Phase, Report, Status, StepRecord, write_new
-from ..base.sharding import fsdp1_root, sharded
+from ..base.sharding import fsdp1_root, sharded, total_norm
 from ..judge.updates import update_finding
 from ..reach.feed import Position, Recorded
 from ..reach.replay import Reached, scheduler_info, storage_policy
 from ..reach.state import Snapshot
 from ..reach.step import Loop
 from ..reach.target import Target
-from .core import Adapter, StepCore, Verdict, check_guard_config, current_lr
+from .core import Adapter, StepCore, Verdict, check_guard_config, current_lr, grads_of
 from .events import POLICIES, HookEvent, Stopped, check_policy
 
 
@@ -119,7 +119,7 @@ class HookedGuard(Adapter):
 
     history = property(lambda self: self.core.history)
     checks = property(lambda self: self.core.checks)
-    in_step = property(lambda self: self.core.in_step)
+    in_step = property(lambda self: bool(self.core.items))   # a step's capture is under way
 
     def micro(self, batch: Any, step: int) -> None:
         """A micro-batch of step ``step`` is about to run (the first one starts the step)."""
@@ -170,18 +170,20 @@ class HookedGuard(Adapter):
             return False
         core = self.core
         if not core.checked:
-            core.unchecked()
+            core.updates.unchecked()   # its update runs unread (guard.check_every)
             core.reset()
             return False
         try:
-            if self.pending is not None:   # a step whose finish() never came (the framework raised meanwhile)
-                if self.pending.before is not None:
-                    self.pending.before.release()
-                self.pending = None
-            v = core.check(step, optimizers, core.norm(optimizers) if norm is None else norm, scaler, position)
+            # a step whose finish() never came (the framework raised meanwhile)
+            if self.pending is not None and self.pending.before is not None:
+                self.pending.before.release()
+            self.pending = None
+            if norm is None:   # FSDP1: the shard norms summed over its process group
+                norm = total_norm(self.model, grads_of(optimizers))
+            v = core.check(step, optimizers, norm, scaler, position)
             if v.update_born is not None:
                 return self._update_born(v.update_born[0], v.record, v.rank, v.world, v.update_born[1])
-            if not v.bad or v.status is Status.DIVERGING:
+            if v.status in (Status.FINITE, Status.DIVERGING):
                 core.passed(v, optimizers, scaler)
                 self._updating = (step, optimizers)
                 # a slow divergence: the loss broke away with a precursor behind it; diagnosed after the
@@ -189,8 +191,14 @@ class HookedGuard(Adapter):
                 if v.status is Status.DIVERGING:
                     self._pend(v, position, None, corrupt=False)
                 return False
-            settings = {"max_grad_norm": max_grad_norm, "grad_scaler": scaler is not None}   # for the capsule
-            return self._bad(v, position, settings)
+            corrupt = core.caught(v, self.policy if self.can_skip else "record")   # nothing skipped: buffers kept
+            self._pend(v, position, {"max_grad_norm": max_grad_norm, "grad_scaler": scaler is not None},
+                       corrupt=corrupt)
+            # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
+            core.history.append(v.record)
+            if self.on_bad is not None:
+                self.on_bad(self.pending)
+            return self.policy != "record" and self.can_skip
         finally:
             core.reset()
 
@@ -230,15 +238,6 @@ class HookedGuard(Adapter):
                       notes=(f"caught in the check of a later step; the state before this "
                              f"update is gone, so it is not rerun in-process: nanprobe run ENTRY --at {step} replays "
                              "the step from your checkpoint or step 0 and reruns the update instrumented",))
-
-    def _bad(self, v: Verdict, position: Position | None, settings: dict[str, Any]) -> bool:
-        corrupt = self.core.caught(v, self.policy if self.can_skip else "record")   # nothing skipped: buffers kept
-        self._pend(v, position, settings, corrupt=corrupt)
-        # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
-        self.core.history.append(v.record)
-        if self.on_bad is not None:
-            self.on_bad(self.pending)
-        return self.policy != "record" and self.can_skip
 
     def _pend(self, v: Verdict, position: Position | None, settings: dict[str, Any] | None, *, corrupt: bool) -> None:
         """The step waits for the framework to finish it: its batches, RNG and the state before it (for the
@@ -305,9 +304,7 @@ class HookedGuard(Adapter):
             (_capsule.replay_command(self.entry, p.capsule) if p.capsule else
              f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None)
         headline = _headline(report, p, self.unlocated)
-        path = None
-        if report is not None:
-            path = self._write_report(report, p, action, command, extra)
+        path = self._write_report(report, p, action, command, extra) if report is not None else None
         event = HookEvent(step=p.step, status=p.status.value, reason=p.reason, action=action, local=p.local,
                           headline=headline, capsule=str(p.capsule) if p.capsule else None,
                           report=str(path) if path else None, command=command, rank=p.rank, loss=p.record.loss,
@@ -373,16 +370,13 @@ def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str 
     from ..pipeline.smoke import headline
 
     if report is None:
-        if p.undiagnosed is None or not p.local:
-            return f"step {p.step}: {p.reason}"
-        return f"step {p.step}: {p.reason} ({p.undiagnosed})"
-    text = headline(report)
+        return f"step {p.step}: {p.reason}" + (f" ({p.undiagnosed})" if p.undiagnosed is not None and p.local else "")
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
-        text = f"step {p.step}: {p.reason} (the in-process rerun was finite)"
-    elif report.origin is None and report.top is None:   # nothing located or classified: what the check saw
+        return f"step {p.step}: {p.reason} (the in-process rerun was finite)"
+    if report.origin is None and report.top is None:   # nothing located or classified: what the check saw
         hint = (unlocated(p.step) if unlocated is not None else None) or "not located in-process: replay the capsule"
-        text = f"step {p.step}: {p.reason} ({hint})"
-    return text
+        return f"step {p.step}: {p.reason} ({hint})"
+    return headline(report)
 
 
 
