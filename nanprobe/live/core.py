@@ -292,16 +292,16 @@ class StepCore:
         return step, self._update_optimizers
 
     def update_born(self, step: int, optimizers: list[torch.optim.Optimizer], world: int
-                    ) -> tuple[dict[str, Any], str]:
+                    ) -> tuple[dict[str, Any], str, str | None]:
         """The update of step ``step`` made the weights non-finite: the live optimizer's forensics
-        (parameter, LR, state) and the reason to report."""
+        (parameter, LR, state), the reason to report and, where earlier updates were not read, the range
+        that may have made them (:meth:`UpdateCheck.since`)."""
         self.consecutive += 1
-        names = {id(q): n for n, q in self.module.named_parameters()}
-        upd = update_forensics(optimizers, names)
-        if upd.get("nonfinite_parameters"):
-            return upd, describe(upd, step)
-        return upd, f"the optimizer update of step {step} made the weights non-finite" + \
-            (" on another rank" if world > 1 else "")
+        upd = update_forensics(optimizers, {id(q): n for n, q in self.module.named_parameters()})
+        where = " on another rank" if world > 1 else ""
+        reason = describe(upd, step) if upd.get("nonfinite_parameters") else \
+            f"the optimizer update of step {step} made the weights non-finite{where}"
+        return upd, reason, self.updates.since(step)
 
     def caught(self, verdict: Verdict, policy: str) -> bool:
         """A bad step (not update-born): the run of bad steps grows, persistent buffers are put back as
@@ -433,7 +433,8 @@ class StepCore:
             loss_bad = ~torch.isfinite(loss)
             bad = loss_bad | (loss > t_loss)
         if nv is not None:
-            norm = (nv if isinstance(nv, torch.Tensor) else torch.tensor(float(nv), device=device)).float().to(device)
+            norm = nv if isinstance(nv, torch.Tensor) else torch.tensor(float(nv), device=device)
+            norm = norm.float().to(device)
             ok = torch.isfinite(norm)
             bad = bad | (ok & (norm > t_norm))
             if not scaler_active:

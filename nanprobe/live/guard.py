@@ -325,8 +325,7 @@ class Guard(Adapter):
     def _update_born(self, step: int, optimizers: list[torch.optim.Optimizer], rank: int, world: int) -> None:
         """The update of step ``step`` made weights non-finite (seen in this check's sync): log it as that
         step's event, naming the parameter, LR and optimizer state; raise unless the policy is record."""
-        upd, reason = self.core.update_born(step, optimizers, world)
-        since = self.core.updates.since(step)
+        upd, reason, since = self.core.update_born(step, optimizers, world)
         if since is not None:
             reason = f"{reason} ({since})"
         command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {step}"

@@ -207,13 +207,13 @@ class HookedGuard(Adapter):
         """The update of checked step ``step`` made weights non-finite (seen at the next check): that step
         is the bad one. No rerun can start before an applied update: the report is made from the live
         optimizer (parameter, LR, state); the current step's update is skipped and training stops."""
-        upd, reason = self.core.update_born(step, optimizers, world)
+        upd, reason, since = self.core.update_born(step, optimizers, world)
         rows = upd.get("nonfinite_parameters")
         record = dataclasses.replace(record, step=step, finite=False)
         report = None
         if rows and self.reports < self.max_reports:
             self.reports += 1
-            report = self._update_report(upd, step)
+            report = self._update_report(upd, step, since)
         self.pending = Pending(step=step, status=Status.NONFINITE, reason=reason, local=bool(rows), record=record,
                                history=list(self.history), loop=None, corrupt=True, rank=rank, world=world,
                                report=report)
@@ -222,10 +222,9 @@ class HookedGuard(Adapter):
             self.on_bad(self.pending)
         return True
 
-    def _update_report(self, upd: dict[str, Any], step: int) -> Report:
+    def _update_report(self, upd: dict[str, Any], step: int, since: str | None) -> Report:
         first = upd["nonfinite_parameters"][0]
         finding = update_finding(upd, step)
-        since = self.core.updates.since(step)
         if since is not None:
             finding = dataclasses.replace(finding, evidence=(*finding.evidence, since))
         origin = Origin(phase=Phase.UPDATE, module=finding.module, op=None, precision=str(first.get("dtype")),
@@ -370,7 +369,8 @@ def _headline(report: Report | None, p: Pending, unlocated: Callable[[int], str 
     from ..pipeline.smoke import headline
 
     if report is None:
-        return f"step {p.step}: {p.reason}" + (f" ({p.undiagnosed})" if p.undiagnosed is not None and p.local else "")
+        why = f" ({p.undiagnosed})" if p.undiagnosed is not None and p.local else ""
+        return f"step {p.step}: {p.reason}{why}"
     if report.status is Status.FINITE:   # the diagnosis found nothing: say what the check saw
         return f"step {p.step}: {p.reason} (the in-process rerun was finite)"
     if report.origin is None and report.top is None:   # nothing located or classified: what the check saw
