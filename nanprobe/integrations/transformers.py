@@ -24,7 +24,6 @@ import torch
 
 from ..reach.feed import MicroBatches, Position
 from ..live import total_norm
-from ..live.events import _scaler_stage
 from ..base.errors import UsageError
 from ..base.precision import Precision
 from ..reach.target import validate
@@ -243,8 +242,9 @@ class NanprobeCallback(GuardedCallback, _Base):
         norm, self._norm = self._norm, None
         if norm is None:   # the Trainer computed none (older versions without clipping): the gradients are final
             norm = total_norm([p.grad for p in self._params if p.grad is not None])
+            stage = (getattr(scaler, "_per_optimizer_states", {}).get(id(opt)) or {}).get("stage")
             if norm is not None and scaler is not None and scaler._scale is not None and \
-                    _scaler_stage(scaler, opt) != "unscaled":
+                    getattr(stage, "name", "READY") != "UNSCALED":
                 norm = norm / scaler._scale
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         self._check(opt, norm=norm, scaler=scaler, position=position, max_grad_norm=clip)
