@@ -553,3 +553,12 @@ def test_the_live_monitor_measures_the_update_applied_between_checks(tmp_path):
     assert all(0 < r < 0.5 for _, r in series["update/ratio"])
     measured = {h.step: h.update_ratio for h in guard.core.history if h.update_ratio is not None}
     assert set(measured) <= {9, 19} and 19 in measured
+
+
+def test_a_yaml_config_file_sets_the_guards_monitor_too(tmp_path):
+    """Guard(config="file.yaml") read the guard section of the file but took the monitor's from the defaults."""
+    path = tmp_path / "nanprobe.yaml"
+    path.write_text("guard:\n  check_every: 1\nmonitor:\n  live_every: 3\n")
+    model, opt = _tiny()
+    guard = Guard(model, opt, config=str(path), capsule_dir=tmp_path)
+    assert guard.monitor is not None and guard.monitor.every == 3

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import capsule as _capsule
-from ..base.config import Config, GuardConfig, load_config
+from ..base.config import Config, GuardConfig
 from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
 from ..base.precision import Precision, parse_precision, weights_precision
 from ..base.report import Status
@@ -159,9 +159,9 @@ class Guard(Adapter):
         self._order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None   # _params' walk, by stepped ids
         self._deferred = False              # inside a closure optimizer's step: it applies the update
         self._needs_closure = next((type(o).__name__ for o in self.optimizers if _needs_closure(o)), None)
-        full = config if isinstance(config, Config) else load_config()   # the monitor's section
-        # the step's state and judgement (the precursor monitor: every monitor.live_every steps)
-        self.core = StepCore(model, dataclasses.replace(full, guard=cfg), self.precision, logger)
+        # the step's state and judgement (the precursor monitor: every monitor.live_every steps, from the same
+        # config: a YAML file's monitor section too)
+        self.core = StepCore(model, dataclasses.replace(base, guard=cfg), self.precision, logger)
         if not self.enabled:
             self.core.monitor = None
 
