@@ -144,10 +144,10 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
             strength = max(strength, 0.5)
     module = None
     source = ev.reached.update_ratios or ev.main.update_ratios
+    pname = largest_update(ev) if source and strength else None
     if grew and not (source and up_strength > grow_strength):
         module = grew.rsplit(".", 1)[0] if "." in grew else ""
-    elif source and strength and largest_update(ev) is not None:
-        pname = largest_update(ev)
+    elif pname is not None:
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
         owner = owning_group(ev, pname)
         if owner is not None and owner.differs:

@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from ..capsule import compiled_graphs, unwrap
 from ..live.events import current_lr, skip_update, total_norm
 from ..live.core import _f32
-from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, _tensor_stats
+from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, _floats, _tensor_stats
 from ..base.report import Phase
 from ..base.sharding import weights_finite
 from ..reach.step import Loop
@@ -73,8 +72,7 @@ class _LiveTracker(OriginTracker):
         try:
             stats, probed = [], False
             with torch.no_grad():
-                for t in (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
-                          and a.is_floating_point()):
+                for t in _floats((args, kwargs)):   # the origin's inputs, as its event counted them
                     made = self._made.get(t.untyped_storage().data_ptr())
                     ref = _in_float32(made[0], made[1]) if made is not None and made[2] == t.shape else None
                     probed = probed or ref is not None

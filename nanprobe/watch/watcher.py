@@ -212,13 +212,14 @@ class Watcher(ScriptHooks):
                                  max_reports=self.max_reports, events=self.events)
         # --at arms at the root module's forward; a functional model (no root) at the end of the step before,
         # which step 0 has not
+        armable = lambda step: self.root is not None or step > 0   # noqa: E731
         self.guard.unlocated = lambda step: f"not located in-process: {self.at_command(step)} explains it" \
-            if self.root is not None or step > 0 else None
+            if armable(step) else None
         # re-executing the script replays the step without an entrypoint (`nanprobe run ENTRY --capsule` needs
         # one), and also where the loss is computed outside the root module, which its capsule (the root's
         # inputs) cannot compute (one process: --at does not re-execute a distributed job's ranks)
         self.guard.replay = lambda step: self.at_command(step) if (self._loss_missing or self.entry is None) \
-            and not _multi_rank() and (self.root is not None or step > 0) else None
+            and not _multi_rank() and armable(step) else None
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
