@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import torch
 
 from nanprobe.base.config import MonitorConfig, load_config
-from nanprobe.judge.divergence import Breakaway, Judge
+from nanprobe.judge.divergence import Judge
 from nanprobe.remedy.horizon import best_level, broke_away, kept_learning
 from nanprobe.judge.monitor import Monitor, Sample, Trend
 from nanprobe.base.report import Mechanism, Status, StepRecord
@@ -49,10 +50,9 @@ def _rising_run(judge: Judge, norms=lambda k: 1.0) -> list[tuple[Status, str | N
 
 
 def _judge(second=None) -> Judge:
-    m = load_config().monitor
-    return Judge(load_config().replay, slow=Breakaway(window=m.breakaway_window, sigmas=m.breakaway_sigmas,
-                                                       rise=m.breakaway_rise, patience=m.breakaway_patience,
-                                                       min_steps=m.breakaway_min_steps), second=second)
+    """The replay's Judge, with a stand-in precursor monitor whose trend answers ``second(facts)``."""
+    trend = SimpleNamespace(precursor=lambda facts, patience: second(facts) if second else None)
+    return Judge(load_config().replay, SimpleNamespace(cfg=load_config().monitor, trend=trend))
 
 
 def test_a_loss_rise_with_nothing_behind_it_is_a_note_not_a_failure():

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -502,19 +502,19 @@ GRAD_COLLAPSE = 5.0
 
 class Judge:
     """The per-step verdict for replay and smoke: non-finite values, spikes, GradScaler skip storms,
-    and (with ``slow``) a loss that broke away from its best level.
+    and (with a ``monitor``) a loss that broke away from its best level.
 
     A break-away alone is a note (``notes``), not a failure: a KL weight ramping up, a value loss growing
     with the returns, a curriculum step all raise the loss of a healthy run. It is ``diverging`` when a
     second, independent signal stands behind it: the gradient norm's sustained rise (``GRAD_RISE``), or
-    what ``second(facts)`` finds (the replay asks the precursor monitor: a precursor out of its band, an
-    update that climbs the gradient)."""
+    what the precursor monitor finds (``monitor``: its series, :meth:`Trend.precursor`: a precursor out of its
+    band, an update that climbs the gradient). Replay, smoke and the live step core all judge with it."""
 
-    def __init__(self, cfg: ReplayConfig | GuardConfig, slow: Breakaway | None = None,
-                 second: Callable[[dict[str, Any]], str | None] | None = None):
+    def __init__(self, cfg: ReplayConfig | GuardConfig, monitor: Any = None):
         self.model = Divergence(Rules.of(cfg))
-        self.slow = slow
-        self.second = second
+        # ``monitor`` (a judge.monitor.Monitor): the slow divergence too, by its break-away settings
+        self.monitor = monitor
+        self.slow = Breakaway.of(monitor.cfg) if monitor is not None else None
         self.breakaway: dict[str, Any] | None = None
         self.notes: list[str] = []
         self.rise: dict[str, Any] | None = None     # the first break-away with nothing behind it
@@ -533,7 +533,7 @@ class Judge:
             if b > 0 and a >= GRAD_COLLAPSE * b:
                 return (f"the gradient norm collapsed with it: level {b:.3g} since step {since} against {a:.3g} where "
                         f"the loss was best ({a / b:.0f}x lower): the model stopped learning (dead or saturated units)")
-        return self.second(facts) if self.second is not None else None
+        return self.monitor.trend.precursor(facts, self.slow.patience)
 
     def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:
         reason = _nonfinite_reason(record, params_finite)

@@ -36,7 +36,7 @@ from ..base.config import Config, GuardConfig, _build, load_config
 from ..base.errors import UsageError
 from ..base.report import Status, StepRecord
 from ..base.sharding import full_value, weights_finite
-from ..judge.divergence import Breakaway, Judge
+from ..judge.divergence import Judge
 from ..judge.monitor import close_step, curves_at, live_monitor
 from ..judge.updates import UpdateCheck, describe, update_forensics
 from ..reach.feed import Position
@@ -130,8 +130,7 @@ class StepCore:
         # the divergence model of replay and smoke, with the guard: thresholds; ``slow``: a slow divergence too,
         # by smoke's rule (the loss broke away from its best level, and a precursor or the gradient norm is
         # behind it), judged once per run
-        self.judge = Judge(self.gcfg, slow=Breakaway.of(cfg.monitor) if slow and self.monitor is not None else None,
-                           second=self._precursor)
+        self.judge = Judge(self.gcfg, self.monitor if slow else None)
         self.device_type = device_of(self.module).type
         self.rngs = RngTracker(self.device_type, self.gcfg.rng_states)
         self.history: deque[StepRecord] = deque(maxlen=max(self.gcfg.history, 1))
@@ -238,9 +237,6 @@ class StepCore:
         if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
             verdict.update_born = (unread, self._update_optimizers or optimizers)
         return verdict
-
-    def _precursor(self, facts: dict[str, Any]) -> str | None:
-        return self.monitor.trend.precursor(facts, self.judge.slow.patience)
 
     def passed(self, verdict: Verdict, optimizers: list[torch.optim.Optimizer],
                scaler: torch.amp.GradScaler | None) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from ..base.batch import iter_tensors
 from ..base.config import MonitorConfig, ReplayConfig
-from ..judge.divergence import Breakaway, Judge
+from ..judge.divergence import Judge
 from ..base.errors import TargetError, UsageError, UserCodeError
 from .feed import DataEnd, Position, Recorded, Stream
 from ..judge.monitor import Monitor, Trend
@@ -232,8 +232,7 @@ class Replayer:
         on = monitor is not None and monitor.enabled
         self.monitor = Monitor(target.model, monitor, dtype=precision.dtype if precision.low else None,
                                activations=True) if on else None
-        self.judge = Judge(cfg, slow=Breakaway.of(monitor) if on else None,
-                           second=self._precursor if on else None)
+        self.judge = Judge(cfg, self.monitor)
         self.notes: list[str] = []
         self._observed = False
         self._buffers = [b for _, b in target.model.named_buffers()]
@@ -247,9 +246,6 @@ class Replayer:
             with torch.no_grad():
                 start = torch.stack([x.float() for x in torch._foreach_norm([p for _, p in named])]).tolist()
             self.norms.append(dict(zip((n for n, _ in named), start)))
-
-    def _precursor(self, facts: dict[str, Any]) -> str | None:
-        return self.monitor.trend.precursor(facts, self.judge.slow.patience)
 
     def light(self) -> _Light:
         return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],

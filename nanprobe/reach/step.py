@@ -28,6 +28,7 @@ from torch.amp.autocast_mode import autocast as _autocast_cls
 from ..base.batch import iter_tensors
 from ..base.errors import TargetError, UserExit
 from .feed import LiveFeed, MicroBatches, ReplayFeed
+from .hooks import Patch, ScriptHooks
 from ..base.precision import Precision, autocast_context, device_of, numeric_mode, policy_context
 from ..base.report import Phase
 from .state import Objects, objects_of
@@ -246,35 +247,20 @@ def _scalar(v: torch.Tensor | float, where: str, name: str) -> torch.Tensor | fl
     return float(v)
 
 
-class Patch:
-    """Set ``obj.name`` for the duration of a context; put the original back on exit."""
-
-    __slots__ = ("obj", "name", "original")
-
-    def __init__(self, obj: Any, name: str, value: Any):
-        self.obj, self.name = obj, name
-        self.original = getattr(obj, name)
-        setattr(obj, name, value)
-
-    def undo(self) -> None:
-        setattr(self.obj, self.name, self.original)
-
-
-class _StepWatch:
-    """Hooks and scoped patches that watch a user's step (see the module docstring)."""
+class _StepWatch(ScriptHooks):
+    """The hooks (:class:`~nanprobe.reach.hooks.ScriptHooks`, on the target's optimizers) and scoped patches
+    that watch a user's step (see the module docstring)."""
 
     def __init__(self, loop: Loop, o: RunOptions):
+        super().__init__([opt for _, opt in loop.target.optimizers])
         self.loop, self.o = loop, o
         self.current: Phase | None = None
         self.norms: list[torch.Tensor] = []
         self.pending_clip: list[torch.Tensor] = []
         self.lr: float | None = None
-        self.backwarded: list[torch.Tensor] = []
-        self.scaled: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []   # what the step scaled with GradScaler, else backpropagated
         self.dtypes: list[str] = []
         self.entered_autocast = False
-        self._handles: list[Any] = []
-        self._patches: list[Patch] = []
         self._saved_groups: dict[int, list[tuple[dict, dict]]] = {}
         self._clip_original = torch.nn.utils.clip_grad_norm_
         self._model_modules = {id(m) for m in loop.target.model.modules()} if o.on_phase else set()
@@ -286,35 +272,22 @@ class _StepWatch:
 
     # -- context --
     def __enter__(self) -> _StepWatch:
-        for _, opt in self.loop.target.optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._pre))
-            self._handles.append(opt.register_step_post_hook(self._post))
-        try:
-            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-            self._patches.append(Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)))
-            clip = self._wrap_clip(self._clip_original)
-            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
-            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
-            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
-            self._patches.append(Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)))
-            self._patches.append(Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__)))
-            if self.o.on_phase is not None:
-                self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        self.install()
         self.set_phase(Phase.FORWARD)
         return self
 
     def __exit__(self, *exc) -> None:
-        for p in reversed(self._patches):
-            p.undo()
-        for h in self._handles:
-            h.remove()
-        self._patches, self._handles = [], []
+        self.uninstall()
         for saved in self._saved_groups.values():
             _restore_groups(saved)
         self._saved_groups.clear()
+
+    def extra_patches(self) -> list[Patch]:
+        if self.o.on_phase is not None:
+            self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre))
+        return [Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)),
+                Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)),
+                Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__))]
 
     # -- phases --
     def _forward_pre(self, module, args) -> None:
@@ -322,18 +295,14 @@ class _StepWatch:
                 torch._C._current_autograd_node() is None:
             self.set_phase(Phase.FORWARD)
 
-    def _wrap_backward(self, original):
-        @functools.wraps(original)
-        def backward(tensors, *args, **kwargs):
-            for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-                if isinstance(t, torch.Tensor) and t.numel() == 1:
-                    self.backwarded.append(t.detach().reshape(()).float())
-            self.set_phase(Phase.BACKWARD)
-            try:
-                return original(tensors, *args, **kwargs)
-            finally:
-                self.set_phase(Phase.UPDATE)   # gradient processing until the next forward or step
-        return backward
+    def on_loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach().reshape(()).float())
+
+    def on_backward(self) -> None:
+        self.set_phase(Phase.BACKWARD)
+
+    def after_backward(self) -> None:
+        self.set_phase(Phase.UPDATE)   # gradient processing until the next forward or step
 
     def _wrap_grad(self, original):
         @functools.wraps(original)
@@ -347,22 +316,8 @@ class _StepWatch:
                     self.set_phase(before)
         return grad
 
-    def _wrap_clip(self, original):
-        @functools.wraps(original)
-        def clip_grad_norm_(*args, **kwargs):
-            norm = original(*args, **kwargs)
-            if isinstance(norm, torch.Tensor):
-                self.pending_clip.append(norm.detach())
-            return norm
-        return clip_grad_norm_
-
-    def _wrap_scale(self, original):
-        @functools.wraps(original)
-        def scale(scaler, outputs):
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                self.scaled.append(outputs.detach().reshape(()).float())
-            return original(scaler, outputs)
-        return scale
+    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        self.pending_clip.append(norm)
 
     def _wrap_enter(self, original):
         want = self.o.precision
@@ -394,7 +349,10 @@ class _StepWatch:
         return __exit__
 
     # -- the optimizer update --
-    def _pre(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+    def wants_closure(self) -> bool:
+        return False   # the pre-step event comes before a closure optimizer's step too
+
+    def before_step(self, opt: torch.optim.Optimizer) -> None:
         self.set_phase(Phase.UPDATE)
         o = self.o
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
@@ -413,7 +371,9 @@ class _StepWatch:
             self.lr = current_lr(opt)
         self.loop.updates_in_step += 1
 
-    def _post(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+    update_begins = before_step   # inside GradScaler.step
+
+    def step_done(self, opt: torch.optim.Optimizer) -> None:
         _restore_groups(self._saved_groups.pop(id(opt), []))
 
 
@@ -428,7 +388,7 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
     feed.finish()
     losses = _as_losses(result)
     if losses is None:   # the step returned nothing: what it scaled, else what it backpropagated
-        seen = watch.scaled or watch.backwarded
+        seen = watch.losses
         losses = {"loss": seen[0]} if len(seen) == 1 else {f"loss[{i}]": v for i, v in enumerate(seen)}
     losses = {k: _scalar(v, loop.where, k) for k, v in losses.items()}
     # a dict with a "loss" key is Lightning's convention: that entry is the loss, the others are what the step

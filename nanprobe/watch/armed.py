@@ -19,7 +19,8 @@ from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, 
 from ..base.report import Phase
 from ..base.sharding import weights_finite
 from ..reach.step import Loop
-from .hooks import ScriptHooks, forward_target, unscale_ready
+from ..reach.hooks import ScriptHooks
+from .hooks import forward_target, unscale_ready
 from ..reach.forward import autocast_dtype, batch_of, device_of_module, params_module
 
 
@@ -282,7 +283,7 @@ class StepHooks(ScriptHooks):
             self._measure(optimizer, None)
             self._begin_update(optimizer)
 
-    def step_done(self) -> None:
+    def step_done(self, optimizer: torch.optim.Optimizer) -> None:
         step = self.steps
         self.steps += 1
         if step == self.at:   # (not armed: no module of the optimizer's was called, nothing was instrumented)

@@ -22,10 +22,10 @@ from ..live.hooked import Pending
 from ..base.report import Cause, Phase, Report, Status
 from ..base.sharding import local_value
 from ..reach.state import capture_rng
-from ..reach.step import Patch
+from ..reach.hooks import Patch, ScriptHooks
 from ..reach.target import Target
 from ..judge.updates import update_finding, update_forensics
-from .hooks import ScriptHooks, forward_target, unscale_ready
+from .hooks import forward_target, unscale_ready
 from .record import at_command, record_json, write_run_record
 from ..reach.forward import (autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
@@ -412,7 +412,7 @@ class Watcher(ScriptHooks):
             skip_update([opt], self._scaler)
             self.skipped.append(self.steps)
 
-    def step_done(self) -> None:
+    def step_done(self, optimizer: torch.optim.Optimizer) -> None:
         self._clip = None   # a clip inside the optimizer's own step (BertAdam's) came after the check: not the next's
         self._checked = self._in_closure = False
         self.scaled.clear()

@@ -1,0 +1,209 @@
+"""A training step as events, from PyTorch's hooks and a few scoped patches.
+
+The replay of a user's ``step_fn`` (:mod:`nanprobe.reach.step`), ``watch``
+(:class:`~nanprobe.watch.watcher.Watcher`) and ``watch --at`` (:class:`~nanprobe.watch.armed.StepHooks`) see a
+step the same way: the optimizer step pre/post hooks, and patches of ``torch.autograd.backward``,
+``GradScaler.scale``/``step`` and ``clip_grad_norm_`` (undone on exit). This base installs them and turns
+them into the events below; each subclass says what an event means to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Patch:
+    """Set ``obj.name`` for the duration of a context; put the original back on exit."""
+
+    __slots__ = ("obj", "name", "original")
+
+    def __init__(self, obj: Any, name: str, value: Any):
+        self.obj, self.name = obj, name
+        self.original = getattr(obj, name)
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        setattr(self.obj, self.name, self.original)
+
+
+class ScriptHooks:
+    """A script's steps, seen through hooks. ``optimizers=None``: the global optimizer hooks, and the
+    guarded optimizer is the first that steps (watch); else hooks on each of ``optimizers``, all guarded
+    (replay of a ``step_fn``)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer] | None = None) -> None:
+        self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
+        self._only = optimizers
+        self.scaled: set[int] = set()        # ids of this step's GradScaler.scale outputs (not losses)
+        self._in_scaler_step = False         # inside GradScaler.step: the optimizer step is its
+        self.scaler_seen: torch.amp.GradScaler | None = None   # the GradScaler the script scales its loss with
+        self._patches: list[Patch] = []
+        self._hooks: list[Any] = []
+
+    # -- what a subclass says ---------------------------------------------------------------------------
+
+    def active(self) -> bool:
+        """The hooks act on the script's calls (False: nanprobe is rerunning, or its work is done)."""
+        return True
+
+    def listening(self) -> bool:
+        """The script's losses, backward and clip norm are taken now."""
+        return self.active()
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """A one-element tensor the script backpropagates (or hands to GradScaler.scale)."""
+
+    def on_backward(self) -> None:
+        """The script calls backward."""
+
+    def after_backward(self) -> None:
+        """The script's backward returned (its gradients are there)."""
+
+    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+        """The script clipped its gradients: their norm before clipping."""
+
+    def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler.step of the guarded optimizer is about to run."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step() of the guarded optimizer is about to run (not inside GradScaler.step)."""
+
+    def update_begins(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step inside GradScaler.step begins."""
+
+    def wants_closure(self) -> bool:
+        """A closure optimizer's closure is wrapped (its first evaluation calls :meth:`closure_evaluated`)."""
+        return True
+
+    def closure_evaluated(self, optimizer: torch.optim.Optimizer) -> None:
+        """A closure optimizer evaluated the step's closure for the first time (its loss and gradients)."""
+
+    def step_done(self, optimizer: torch.optim.Optimizer) -> None:
+        """The guarded optimizer's step (or GradScaler.step) returned: the script's step is over."""
+
+    def extra_patches(self) -> list[Patch]:
+        """More patches a subclass installs with the others (it may add hook handles to ``_hooks``)."""
+        return []
+
+    def guards(self, optimizer: torch.optim.Optimizer, adopt: bool = True) -> bool:
+        """``optimizer``'s step is one of the script's steps (``adopt``: the first optimizer that steps is)."""
+        if self._only is not None:
+            return any(optimizer is o for o in self._only)
+        if self.optimizer is None and adopt:
+            self.optimizer = optimizer
+        return optimizer is self.optimizer
+
+    # -- install / remove -------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        try:
+            if self._only is None:
+                self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
+                self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
+            for opt in self._only or ():
+                self._hooks.append(opt.register_step_pre_hook(self._opt_pre))
+                self._hooks.append(opt.register_step_post_hook(self._opt_post))
+            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
+            self._patches.append(Patch(torch.amp.GradScaler, "step",
+                                       self._wrap_scaler_step(torch.amp.GradScaler.step)))
+            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
+            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
+            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            self._patches.extend(self.extra_patches())
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        for p in reversed(self._patches):
+            p.undo()
+        for h in self._hooks:
+            h.remove()
+        self._patches, self._hooks = [], []
+
+    # -- the script's calls -----------------------------------------------------------------------------
+
+    def _wrap_backward(self, original):
+        def backward(tensors, *args, **kwargs):
+            if self.listening():
+                for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in self.scaled:
+                        self.on_loss(t)
+                self.on_backward()
+            out = original(tensors, *args, **kwargs)
+            if self.active():
+                self.after_backward()
+            return out
+        return backward
+
+    def _wrap_scale(self, original):
+        def scale(scaler, outputs):
+            out = original(scaler, outputs)
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and self.listening():
+                self.scaler_seen = scaler
+                self.scaled.add(id(out))
+                self.on_loss(outputs)
+            return out
+        return scale
+
+    def _wrap_clip(self, original):
+        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+            norm = original(parameters, max_norm, *args, **kwargs)
+            if self.listening() and isinstance(norm, torch.Tensor):
+                self.on_clip(norm.detach(), float(max_norm))
+            return norm
+        return clip_grad_norm_
+
+    def _wrap_scaler_step(self, original):
+        def step(scaler, optimizer, *args, **kwargs):
+            if not (self.active() and scaler.is_enabled() and "closure" not in kwargs and self.guards(optimizer)):
+                return original(scaler, optimizer, *args, **kwargs)
+            self.before_scaler_step(scaler, optimizer)
+            self._in_scaler_step = True
+            try:
+                out = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                self._in_scaler_step = False
+            self.step_done(optimizer)   # also when the scaler skipped optimizer.step(): the script's step is over
+            return out
+        return step
+
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not self.active() or not self.guards(opt):
+            return None
+        if self._in_scaler_step:   # seen in GradScaler.step already
+            self.update_begins(opt)
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, closure)
+        if callable(closure) and self.wants_closure():   # LBFGS & co: forward and backward run inside step()
+            return self._wrap_closure(opt, closure, args, kwargs)
+        self.before_step(opt)
+        return None
+
+    def _wrap_closure(self, opt: torch.optim.Optimizer, closure: Any, args: tuple,
+                      kwargs: dict) -> tuple[tuple, dict]:
+        """The closure the optimizer gets instead: its first evaluation is the step's; later ones (LBFGS's
+        line search) are not new steps."""
+        first = [True]
+
+        def guarded():
+            loss = closure()
+            if first[0]:
+                first[0] = False
+                self.closure_evaluated(opt)
+            return loss
+
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=guarded)
+        return (args[0], guarded, *args[2:]), kwargs
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.active() and not self._in_scaler_step and self.guards(opt, adopt=False):
+            self.step_done(opt)
+
+
+__all__ = ["ScriptHooks", "Patch"]
