@@ -1,4 +1,4 @@
-"""Tiny targets for tests/test_compare.py: an fp16 overflow in an attention matmul, an fp16 underflow
+"""Tiny targets for tests/compare/test_compare.py: an fp16 overflow in an attention matmul, an fp16 underflow
 before a log, a GradScaler that has to back off, a healthy model, and a loss_fn that breaks in fp64."""
 import torch
 import torch.nn as nn

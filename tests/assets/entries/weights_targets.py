@@ -1,5 +1,5 @@
 """Tiny targets whose weights are stored in low precision (pure bf16 training: ``model.to(torch.bfloat16)``,
-no autocast) for tests/test_weights_precision.py."""
+no autocast) for tests/locate/test_weights_precision.py."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -34,7 +34,7 @@ def test_proxy_fp16_qk_norm_and_a_lower_lr_hold_where_precision_fixes_fail():
     not yet left its best level when the horizon began); training in bf16
     and an fp32 island for the overflowing module, each of which makes the failing step itself
     finite, fail over the same horizon, and say at which step."""
-    # the loss breaks away a few steps before the NaN (status diverging: tests/test_trajectory.py); here the
+    # the loss breaks away a few steps before the NaN (status diverging: tests/judge/test_trajectory.py); here the
     # slow-divergence test is off, so the NaN step itself is diagnosed and the precision fixes are offered
     report = diagnose(example("attention_logit_growth.py") + ":target_fp16",
                       config=_horizon(margin=12, max_lookback=12, monitor={"breakaway_patience": 10 ** 6}))

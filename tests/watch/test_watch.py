@@ -25,7 +25,7 @@ from nanprobe.surface.cli import app
 from nanprobe.pipeline.diagnose import diagnose
 from nanprobe.watch import find_loss, parse_command, watch
 
-WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+WATCH = Path(__file__).resolve().parents[1] / "assets" / "watch"
 SQRT = WATCH / "sqrt_backward.py"
 SCRIPT = WATCH / "own_trainer.py"
 LOG_LINE = next(i + 1 for i, text in enumerate(SCRIPT.read_text().splitlines())
@@ -339,7 +339,7 @@ def test_watch_reports_a_live_slow_divergence(tmp_path):
     """A loss that breaks away with a precursor behind it (attention logits, fp32: every value finite) is a
     report under watch, by smoke's rule: status diverging, its mechanism and onset; nothing is skipped, the
     summary counts it, and a healthy control (qk-layernorm) is not reported."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "attention_logit_growth.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "attention_logit_growth.py"
     result = watch(["python", str(example), "fp32"], dirpath=tmp_path / "reports")
     assert result.exit_code == 0 and result.steps == 120
     [event] = result.events
@@ -350,7 +350,7 @@ def test_watch_reports_a_live_slow_divergence(tmp_path):
     assert data["status"] == "diverging" and top["mechanism"] == "attention_logit_growth", top
     assert top["onset"] is not None and top["onset"] < event.step and top["module"].endswith(".attn")
     assert "0 bad step(s), 1 slow divergence(s), 1 report(s) written" in result.summary()
-    control = Path(__file__).resolve().parent.parent / "examples" / "control_qk_norm.py"
+    control = Path(__file__).resolve().parents[2] / "examples" / "control_qk_norm.py"
     healthy = watch(["python", str(control)], dirpath=tmp_path / "control")
     assert healthy.exit_code == 0 and healthy.steps > 0 and healthy.events == (), healthy.events
 

@@ -499,7 +499,7 @@ def test_the_hooked_guards_cutoffs_never_hide_a_spike_the_replays_judge_sees():
 ])
 def test_the_readmes_integration_examples_print_what_it_shows(tmp_path, monkeypatch, caplog, script, logger, cause,
                                                               src):
-    path = Path(__file__).resolve().parent.parent / "examples" / "integrations" / script
+    path = Path(__file__).resolve().parents[2] / "examples" / "integrations" / script
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

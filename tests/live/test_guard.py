@@ -19,7 +19,7 @@ from nanprobe.base.report import Status, StepRecord
 from nanprobe.live.guard import Guard, GuardTripped
 
 ENTRY = asset("guard_nan.py")
-ASSETS_WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+ASSETS_WATCH = Path(__file__).resolve().parents[1] / "assets" / "watch"
 BAD = 4
 
 

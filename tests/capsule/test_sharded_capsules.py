@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from conftest import free_port, leave_worker
 
-WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+WATCH = Path(__file__).resolve().parents[1] / "assets" / "watch"
 BAD = 2
 RUNS = [("plain", -1, False, False), ("guard", -1, True, False), ("watch", -1, False, True),
         ("guard_bad", BAD, True, False), ("watch_bad", BAD, False, True)]

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from conftest import free_port, leave_worker
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "entries"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "entries"
 BAD_ON_RANK1 = 3
 
 
@@ -105,7 +105,7 @@ def test_ranks_with_their_own_weights_write_a_capsule_file_each(tmp_path):
 
 # -- FSDP2 (fully_shard): DTensor gradients; the same weights as without nanprobe ---------------------------
 
-FSDP2 = Path(__file__).resolve().parent / "assets" / "watch" / "fsdp2_trainer.py"
+FSDP2 = Path(__file__).resolve().parents[1] / "assets" / "watch" / "fsdp2_trainer.py"
 
 
 @contextlib.contextmanager

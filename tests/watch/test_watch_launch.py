@@ -25,7 +25,7 @@ from nanprobe.live import HookEvent
 from nanprobe.watch import WatchResult, watch
 from nanprobe.watch.launch import ProcessRow, follows
 
-WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+WATCH = Path(__file__).resolve().parents[1] / "assets" / "watch"
 DDP = WATCH / "ddp_trainer.py"
 OWN = WATCH / "own_trainer.py"
 BIN = Path(sys.executable).parent

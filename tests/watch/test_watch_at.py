@@ -25,7 +25,7 @@ from nanprobe.watch import watch
 from nanprobe.watch.at import watch_at
 from nanprobe.watch.record import RUN_SUFFIX, read_run_record
 
-WATCH = Path(__file__).resolve().parent / "assets" / "watch"
+WATCH = Path(__file__).resolve().parents[1] / "assets" / "watch"
 SQRT = WATCH / "sqrt_backward.py"
 EPS_ZERO = WATCH / "eps_zero.py"
 CRITERION = WATCH / "criterion.py"

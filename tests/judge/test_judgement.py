@@ -2,7 +2,7 @@
 bands from the run's own healthy stretch, the LR that was applied, one "verified" that demands learning,
 and no internal error on a degenerate batch.
 
-Each rule has a small reproduction here; tests/test_zoo.py runs it on real public programs.
+Each rule has a small reproduction here; tests/pipeline/test_zoo.py runs it on real public programs.
 """
 
 from __future__ import annotations

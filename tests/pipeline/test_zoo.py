@@ -23,7 +23,7 @@ from nanprobe.pipeline.smoke import smoke
 
 pytest.importorskip("sklearn", reason="the zoo needs the 'zoo' extra (scikit-learn's bundled digits)")
 
-ZOO = Path(__file__).resolve().parents[1] / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "zoo"
 PROGRAMS = sorted(p.stem for p in (ZOO / "programs").glob("*.py"))
 CAUSES = {"data", "overflow", "underflow", "log", "sqrt", "div", "domain", "lr_spike"}
 MECHANISMS = {"attention_logit_growth", "output_logit_divergence", "adam_second_moment", "lr_schedule",
