@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import require
 from ..live import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update
 
 
@@ -19,10 +20,13 @@ class GuardedCallback:
     command = ""                  # the guard's logger: nanprobe.<command>
     who = ""                      # how its lines and errors name it
     frameworks: tuple[str, ...] = ()   # distributions whose version the report names (the first: the fallback)
+    missing: tuple[str, str, str] | None = None   # the framework is not installed: require()'s arguments
 
     def __init__(self, dirpath: str | os.PathLike = "nanprobe-reports", policy: str = "skip", *,
                  entry: str | None = None, config: Any = None, check_every: int | None = None,
                  max_reports: int = 1):
+        if self.missing is not None:
+            require(*self.missing)
         check_policy(policy, POLICIES, "NanprobeCallback(policy=...)")
         self.dirpath = dirpath
         self.policy = policy
@@ -31,14 +35,16 @@ class GuardedCallback:
         self.config = resolve_config(config, "NanprobeCallback(config=...)", check_every=check_every)
         self.events: list[HookEvent] = []
         self._guard: HookedGuard | None = None
+        self._step: Any = None          # the framework's step, as a nanprobe step_fn
         self._stepped = False
         self._current: tuple[int, int] | None = None   # (global_step, epoch) of the step in progress
+        self._items: list[int] = []     # the framework's indices of the step's micro-batches
 
     def _new_guard(self, model: torch.nn.Module, build_target: Callable[[], Any],
                    curves: Callable[[int, dict[str, float]], None]) -> HookedGuard:
         self._guard = HookedGuard(command=self.command, who=self.who, model=model, build_target=build_target,
                                   config=self.config, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
-                                  allowed=POLICIES, max_reports=self.max_reports, events=self.events)
+                                  max_reports=self.max_reports, events=self.events)
         self._guard.core.curves = curves
         return self._guard
 

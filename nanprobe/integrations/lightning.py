@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 from functools import partial
 from typing import Any
 
@@ -24,7 +23,6 @@ import torch
 from ..reach.feed import MicroBatches, Position
 from ..base.precision import Precision
 from ..reach.target import Target, validate
-from . import require
 from ._callback import GuardedCallback, set_for
 
 try:
@@ -101,8 +99,8 @@ class LightningStep:
                 result = closure.consume_result()
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
-                if j == n - 1:
-                    module.optimizer_step(epoch, bidx, lopt, partial(_done, result.loss))
+                if j == n - 1:   # the optimizer's closure: the step's forward and backward already ran
+                    module.optimizer_step(epoch, bidx, lopt, lambda loss=result.loss: loss)
         return total
 
     def _training_step(self, batch: Any, batch_idx: int):
@@ -114,11 +112,6 @@ class LightningStep:
     def _zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         self.module.on_before_zero_grad(optimizer)
         self.module.optimizer_zero_grad(epoch, batch_idx, optimizer)
-
-
-def _done(loss: torch.Tensor | None) -> torch.Tensor | None:
-    """The optimizer's closure: the step's forward and backward already ran."""
-    return loss
 
 
 class NanprobeCallback(GuardedCallback, _Base):
@@ -133,26 +126,21 @@ class NanprobeCallback(GuardedCallback, _Base):
     """
 
     command, who, frameworks = "lightning", "nanprobe (Lightning)", ("lightning", "pytorch-lightning")
-
-    def __init__(self, dirpath: str | os.PathLike = "nanprobe-reports", policy: str = "skip", *,
-                 entry: str | None = None, config: Any = None, check_every: int | None = None,
-                 max_reports: int = 1):
-        if _FRAMEWORK is None:
-            require("lightning.pytorch", "lightning", "nanprobe.integrations.lightning.NanprobeCallback")
-        super().__init__(dirpath, policy, entry=entry, config=config, check_every=check_every,
-                         max_reports=max_reports)
-        self._step: LightningStep | None = None
-        self._deferred: torch.optim.Optimizer | None = None   # its check waits for Lightning's clipping
-        self._clip_plugin: Any = None
-        self._scaler_of: tuple[Any, torch.amp.GradScaler | None] | None = None
-        self._clip_check: tuple[Any, bool] | None = None   # (trainer, checked in clipping) for this fit
-        self._batch_idx: list[int] = []
-        self._warned_manual = False
+    missing = None if _FRAMEWORK else ("lightning.pytorch", "lightning",
+                                       "nanprobe.integrations.lightning.NanprobeCallback")
+    _deferred: torch.optim.Optimizer | None = None   # its check waits for Lightning's clipping
+    _clip_plugin: Any = None
+    _fit: tuple[Any, torch.amp.GradScaler | None, bool] | None = None   # (trainer, its GradScaler, clips by norm)
+    _warned_manual = False
 
     # -- setup ------------------------------------------------------------------------------------------
 
     def _attach(self, trainer: Any, module: Any) -> Any:
         self._install_clip(trainer)
+        if self._fit is None or self._fit[0] is not trainer:   # once per fit: a property chain per step costs
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            self._fit = (trainer, scaler if isinstance(scaler, torch.amp.GradScaler) else None,
+                         self._clips_by_norm(trainer, module))
         if self._guard is None or self._guard.model is not module:
             self._step = LightningStep(trainer, module)
             self._new_guard(module, partial(self._target, trainer, module), partial(_log_curves, trainer))
@@ -168,20 +156,17 @@ class NanprobeCallback(GuardedCallback, _Base):
                          "precision": _PRECISIONS.get(str(getattr(plugin, "precision", "32-true")), Precision.FP32),
                          "accumulate": int(trainer.accumulate_grad_batches)}, "NanprobeCallback")
 
-    def _scaler(self, trainer: Any) -> torch.amp.GradScaler | None:
-        """The precision plugin's enabled GradScaler (looked up once per fit: a property chain per step costs)."""
-        if self._scaler_of is None or self._scaler_of[0] is not trainer:
-            scaler = getattr(trainer.precision_plugin, "scaler", None)
-            self._scaler_of = (trainer, scaler if isinstance(scaler, torch.amp.GradScaler) else None)
-        scaler = self._scaler_of[1]
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """The precision plugin's enabled GradScaler."""
+        scaler = self._fit[1]
         return scaler if scaler is not None and scaler.is_enabled() else None
 
     # -- the hooks ------------------------------------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._guard is not None and not self._guard.busy:
-            self._guard.reset()
-            self._batch_idx, self._stepped = [], False
+            self._guard.core.reset()
+            self._items, self._stepped = [], False
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not pl_module.automatic_optimization:
@@ -197,24 +182,23 @@ class NanprobeCallback(GuardedCallback, _Base):
             return
         if not g.in_step:
             self._current = (int(trainer.global_step), int(trainer.current_epoch))
-            self._batch_idx = []
-        self._batch_idx.append(int(batch_idx))
+            self._items = []
+        self._items.append(int(batch_idx))
         g.micro(batch, self._current[0])
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         g = self._live()
         if g is not None:
-            scaler = self._scaler(trainer)
-            g.note_loss(loss, scale=scaler._scale if scaler is not None and scaler._scale is not None else None)
+            g.note_loss(loss, scale=getattr(self._scaler(), "_scale", None))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer) -> None:
         if self._live() is None:
             return
         step, epoch = self._current
-        self._step.batch_idx[step] = tuple(self._batch_idx)
+        self._step.batch_idx[step] = tuple(self._items)
         self._step.epoch[step] = epoch
         self._stepped = True
-        if self._clips_by_norm(trainer, pl_module):
+        if self._fit[2]:
             self._deferred = optimizer   # checked right after Lightning's clipping, with the norm it computes
             return
         self._check_step(trainer, optimizer, None)
@@ -222,27 +206,23 @@ class NanprobeCallback(GuardedCallback, _Base):
     def _check_step(self, trainer: Any, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> None:
         step, epoch = self._current
         accumulate = max(int(trainer.accumulate_grad_batches), 1)
-        position = Position(step=step, epoch=epoch, index=self._batch_idx[0] // accumulate,
-                            items=tuple(self._batch_idx))
+        position = Position(step=step, epoch=epoch, index=self._items[0] // accumulate,
+                            items=tuple(self._items))
         clip = trainer.gradient_clip_val if norm is not None else None
-        self._check(optimizer, norm=norm, scaler=self._scaler(trainer), position=position,
+        self._check(optimizer, norm=norm, scaler=self._scaler(), position=position,
                     max_grad_norm=float(clip) if clip else None)
 
     # -- the norm Lightning's clipping computes anyway ------------------------------------------------
 
     def _clips_by_norm(self, trainer: Any, module: Any) -> bool:
         """Lightning will clip this step's gradients by their global norm, through the precision plugin's
-        clip_grad_by_norm (the module keeps Lightning's own clipping hooks). Decided once per fit."""
-        if self._clip_check is not None and self._clip_check[0] is trainer:
-            return self._clip_check[1]
-        clips = False
-        if self._clip_plugin is not None and trainer.gradient_clip_val and \
-                str(trainer.gradient_clip_algorithm or "norm") == "norm":
-            base = _framework().LightningModule
-            clips = type(module).configure_gradient_clipping is base.configure_gradient_clipping and \
-                type(module).clip_gradients is base.clip_gradients
-        self._clip_check = (trainer, clips)
-        return clips
+        clip_grad_by_norm (the module keeps Lightning's own clipping hooks)."""
+        if self._clip_plugin is None or not trainer.gradient_clip_val or \
+                str(trainer.gradient_clip_algorithm or "norm") != "norm":
+            return False
+        base = _framework().LightningModule
+        return type(module).configure_gradient_clipping is base.configure_gradient_clipping and \
+            type(module).clip_gradients is base.clip_gradients
 
     def _install_clip(self, trainer: Any) -> None:
         """Wrap the precision plugin's clip_grad_by_norm (on the instance, during fit) to keep the norm
@@ -272,7 +252,7 @@ class NanprobeCallback(GuardedCallback, _Base):
             return
         if self._deferred is not None:   # Lightning did not clip after all: the step went unchecked
             self._deferred = None
-            g.reset()
+            g.core.reset()
         try:
             if self._conclude((int(trainer.global_step) - 1, int(trainer.current_epoch)),
                               partial(_global_step_at, trainer)):
@@ -283,7 +263,7 @@ class NanprobeCallback(GuardedCallback, _Base):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._guard is not None:
-            self._guard.reset()
+            self._guard.core.reset()
         self._uninstall_clip()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

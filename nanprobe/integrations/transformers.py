@@ -15,7 +15,6 @@ written, and in ``on_step_end`` the step is diagnosed in-process with the Traine
 from __future__ import annotations
 
 import math
-import os
 import sys
 from functools import partial
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from ..reach.feed import MicroBatches, Position
-from ..live import total_norm
+from ..live import total_norm, unscaled
 from ..base.errors import UsageError
 from ..base.precision import Precision
 from ..reach.target import validate
@@ -132,23 +131,15 @@ class NanprobeCallback(GuardedCallback, _Base):
     """
 
     command, who, frameworks = "transformers", "nanprobe (transformers)", ("transformers",)
-
-    def __init__(self, dirpath: str | os.PathLike = "nanprobe-reports", policy: str = "skip", *,
-                 entry: str | None = None, config: Any = None, check_every: int | None = None,
-                 max_reports: int = 1):
-        if _Trainer is None:
-            require("transformers", "transformers", "nanprobe.integrations.transformers.NanprobeCallback")
-        super().__init__(dirpath, policy, entry=entry, config=config, check_every=check_every,
-                         max_reports=max_reports)
-        self._trainer: Any = None
-        self._step: TrainerStep | None = None
-        self._original: Any = None
-        self._norm: torch.Tensor | None = None
-        self._params: list[torch.nn.Parameter] = []
-        self._epoch = 0
-        self._steps_in_epoch = 0       # optimizer steps done in the current epoch
-        self._items_in_epoch = 0       # micro-batches seen in the current epoch
-        self._items: list[int] = []
+    missing = None if _Trainer else ("transformers", "transformers",
+                                     "nanprobe.integrations.transformers.NanprobeCallback")
+    _trainer: Any = None
+    _original: Any = None               # the Trainer's own training_step
+    _norm: torch.Tensor | None = None
+    _params: tuple[torch.nn.Parameter, ...] = ()
+    _epoch = 0
+    _steps_in_epoch = 0       # optimizer steps done in the current epoch
+    _items_in_epoch = 0       # micro-batches seen in the current epoch
 
     # -- setup ------------------------------------------------------------------------------------------
 
@@ -165,8 +156,9 @@ class NanprobeCallback(GuardedCallback, _Base):
         self._original = trainer.training_step
         self._install()
         self._step = TrainerStep(trainer, self._original)
-        self._params = list(trainer.model.parameters())   # walked once: a module walk per step costs ~0.1 ms
-        self._new_guard(trainer.model, lambda: validate(_target_dict(trainer, self._step), "NanprobeCallback"), partial(_log_curves, trainer))
+        self._params = tuple(trainer.model.parameters())   # walked once: a module walk per step costs ~0.1 ms
+        self._new_guard(trainer.model, lambda: validate(_target_dict(trainer, self._step), "NanprobeCallback"),
+                        partial(_log_curves, trainer))
         self._epoch = int(math.floor(state.epoch or 0)) - 1   # on_epoch_begin counts it up
         self._steps_in_epoch = self._items_in_epoch = 0
 
@@ -230,7 +222,7 @@ class NanprobeCallback(GuardedCallback, _Base):
         self._epoch += 1
         self._steps_in_epoch = self._items_in_epoch = 0
         if self._guard is not None and not self._guard.busy:
-            self._guard.reset()
+            self._guard.core.reset()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._live() is None:
@@ -242,9 +234,7 @@ class NanprobeCallback(GuardedCallback, _Base):
         norm, self._norm = self._norm, None
         if norm is None:   # the Trainer computed none (older versions without clipping): the gradients are final
             norm = total_norm([p.grad for p in self._params if p.grad is not None])
-            stage = (getattr(scaler, "_per_optimizer_states", {}).get(id(opt)) or {}).get("stage")
-            if norm is not None and scaler is not None and scaler._scale is not None and \
-                    getattr(stage, "name", "READY") != "UNSCALED":
+            if norm is not None and scaler is not None and scaler._scale is not None and not unscaled(scaler, opt):
                 norm = norm / scaler._scale
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         self._check(opt, norm=norm, scaler=scaler, position=position, max_grad_norm=clip)

@@ -4,9 +4,8 @@
 reports and the pieces its users share.
 """
 
-from .events import (POLICIES, HookEvent, Stopped, check_policy, current_lr, distributed, grads_of,
-                     resolve_config, shown, skip_update, total_norm)
+from .events import POLICIES, HookEvent, Stopped, check_policy, resolve_config, shown, skip_update, total_norm, unscaled
 from .hooked import HookedGuard
 
-__all__ = ["HookedGuard", "HookEvent", "Stopped", "POLICIES", "skip_update", "grads_of", "total_norm",
-           "current_lr", "distributed", "check_policy", "resolve_config", "shown"]
+__all__ = ["HookedGuard", "HookEvent", "Stopped", "POLICIES", "skip_update", "unscaled", "total_norm", "check_policy",
+           "resolve_config", "shown"]

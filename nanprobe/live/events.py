@@ -3,14 +3,16 @@ skipping an update from a hook, the configuration, gradient norms."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
 from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
 from ..base.errors import short_path as shown   # a path as the user reads it
-from .core import current_lr, distributed, grads_of, resolve_config, total_norm
+from .core import current_lr, resolve_config, total_norm
 from .guard import GuardTripped
 
 POLICIES = ("skip", "raise", "stop", "record")
@@ -69,8 +71,7 @@ class HookEvent:
         return text
 
 
-def check_policy(policy: str, allowed: Iterable[str], where: str) -> str:
-    allowed = tuple(allowed)
+def check_policy(policy: str, allowed: tuple[str, ...], where: str) -> str:
     if policy not in allowed:
         raise UsageError(f"unknown policy {policy!r}", where, f"Use one of: {', '.join(allowed)}")
     return policy
@@ -87,36 +88,41 @@ def skip_update(optimizers: Iterable[torch.optim.Optimizer], scaler: torch.amp.G
     one-shot pre-hook, which runs only when the scaler lets the step through.
     """
     for opt in optimizers:
-        stage = (getattr(scaler, "_per_optimizer_states", {}).get(id(opt)) or {}).get("stage")
-        if scaler is not None and scaler.is_enabled() and getattr(stage, "name", "READY") != "UNSCALED":
-            handle = None
-
-            def drop(o, args, kwargs, _opt=opt):
-                _drop_grads(_opt)
-                handle.remove()
-
-            handle = opt.register_step_pre_hook(drop)
+        if scaler is not None and scaler.is_enabled() and not unscaled(scaler, opt):
+            _once(opt.register_step_pre_hook, partial(_drop_grads, opt))
         else:
             _drop_grads(opt)
 
 
+def unscaled(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> bool:
+    """``scaler`` has unscaled the gradients of ``opt`` in this step (``unscale_`` or its ``step``)."""
+    stage = (getattr(scaler, "_per_optimizer_states", {}).get(id(opt)) or {}).get("stage")
+    return getattr(stage, "name", "READY") == "UNSCALED"
+
+
 def _drop_grads(opt: torch.optim.Optimizer) -> None:
-    """Gradients off for the coming step, back on after it (a one-shot step post-hook)."""
+    """Gradients off for the coming step, back on after it."""
     held = [(p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None]
     for p, _ in held:
         p.grad = None
-    if not held:
-        return
-    handle = None
 
-    def put_back(o, args, kwargs):
+    def put_back() -> None:
         for p, g in held:
             if p.grad is None:
                 p.grad = g
+
+    if held:
+        _once(opt.register_step_post_hook, put_back)
+
+
+def _once(register: Callable[[Callable[..., None]], Any], fn: Callable[[], None]) -> None:
+    """``fn()`` at the optimizer's next step, once (``register``: its step pre- or post-hook registration)."""
+    def hook(*args: Any) -> None:
+        fn()
         handle.remove()
 
-    handle = opt.register_step_post_hook(put_back)
+    handle = register(hook)
 
 
-__all__ = ["HookEvent", "Stopped", "POLICIES", "check_policy", "resolve_config", "distributed",
-           "skip_update", "grads_of", "total_norm", "current_lr", "shown"]
+__all__ = ["HookEvent", "Stopped", "POLICIES", "check_policy", "resolve_config", "skip_update", "unscaled",
+           "total_norm", "current_lr", "shown"]

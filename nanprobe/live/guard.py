@@ -7,12 +7,13 @@ one line with the exact ``nanprobe run ENTRY --capsule PATH`` command, and train
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,17 +64,9 @@ class GuardTripped(NanprobeError):
         super().__init__(f"nanprobe.Guard stopped training at step {event.step}: {event.reason}", why, fix)
 
 
-class _StepContext:
-    __slots__ = ("_guard", "_batch", "_step")
-
-    def __init__(self, guard: Guard, batch: Any, step: int | None):
-        self._guard, self._batch, self._step = guard, batch, step
-
-    def __enter__(self) -> int:
-        return self._guard._begin(self._batch, self._step)
-
-    def __exit__(self, *exc) -> bool:
-        return False
+def at_command(entry: str | None, step: int) -> str:
+    """The command that diagnoses step ``step`` by replaying it (``ENTRY`` where the entrypoint is not known)."""
+    return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --at {step}"
 
 
 class Guard(Adapter):
@@ -172,7 +165,7 @@ class Guard(Adapter):
         """The number of the step in progress (or of the next one)."""
         return self._current if self._current is not None else self._next
 
-    def step(self, *args: Any, step: int | None = None) -> _StepContext:
+    def step(self, *args: Any, step: int | None = None) -> contextlib.AbstractContextManager[int]:
         """``with guard.step(batch):`` around forward and backward (``guard.step(step, batch)`` also works).
 
         Entering notes the RNG state; the batch is kept by reference (not copied), so a loss_fn
@@ -184,16 +177,17 @@ class Guard(Adapter):
             if step is not None:
                 raise TypeError("Guard.step() got the step number twice")
             step = args[0]
-        return _StepContext(self, args[-1] if args else None, step)
+        return self._begin(args[-1] if args else None, step)
 
-    def _begin(self, batch: Any, step: int | None) -> int:
+    @contextlib.contextmanager
+    def _begin(self, batch: Any, step: int | None) -> Iterator[int]:
         if step is not None:
             self._current = int(step)
         elif self._current is None:
             self._current = self._next
         if self.enabled:
             self.core.begin(self._current, batch)
-        return self._current
+        yield self._current
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(scaler.scale(loss) if scaler else loss).backward(**kwargs)``, and notes the loss (no sync)."""
@@ -328,7 +322,7 @@ class Guard(Adapter):
         upd, reason, since = self.core.update_born(step, optimizers, world)
         if since is not None:
             reason = f"{reason} ({since})"
-        command = f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {step}"
+        command = at_command(self.entry, step)
         action = "recorded" if self.cfg.policy == "record" else "raised"
         event = GuardEvent(step=step, status="nonfinite", reason=reason, action=action,
                            local=bool(upd.get("nonfinite_parameters")), capsule=None, command=command, rank=rank)
@@ -345,9 +339,8 @@ class Guard(Adapter):
         corrupt = self.core.caught(v, policy)
         step, r = v.record.step, v.record
         path, note = (None, None) if corrupt else self._write_capsule(v, scaler, max_grad_norm)
-        command = _capsule.replay_command(self.entry, path) if path else (
-            f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {max(step - 1, 0)}"
-            if corrupt else None)
+        command = _capsule.replay_command(self.entry, path) if path else \
+            at_command(self.entry, max(step - 1, 0)) if corrupt else None
         why = self.core.stop_reason(policy, corrupt)
         if policy == "record":
             self._apply(scaler)

@@ -21,8 +21,7 @@ import dataclasses
 import datetime as _dt
 import logging
 import os
-import shlex
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from ..reach.step import Loop
 from ..reach.target import Target
 from .core import Adapter, StepCore, Verdict, check_guard_config, current_lr, grads_of
 from .events import POLICIES, HookEvent, Stopped, check_policy
+from .guard import at_command
 
 
 @dataclass(slots=True, kw_only=True)
@@ -81,7 +81,7 @@ class HookedGuard(Adapter):
 
     def __init__(self, *, command: str, who: str, model: torch.nn.Module, build_target: Callable[[], Target],
                  config: Config | None = None, policy: str = "skip", dirpath: str | os.PathLike = "nanprobe-reports",
-                 entry: str | None = None, allowed: Iterable[str] = POLICIES,
+                 entry: str | None = None, allowed: tuple[str, ...] = POLICIES,
                  on_bad: Callable[[Pending], None] | None = None,
                  adjust: Callable[[Report, Pending], Report] | None = None, max_reports: int = 1,
                  events: list[HookEvent] | None = None):
@@ -130,10 +130,6 @@ class HookedGuard(Adapter):
         """A loss backpropagated in the step (``scale``: the GradScaler's factor it was multiplied by)."""
         if not self.busy:
             self.core.note_loss(loss, scale)
-
-    def reset(self) -> None:
-        """The step is over (checked or not): drop what was captured for it."""
-        self.core.reset()
 
     def after_update(self) -> None:
         """The framework applied the update of the last checked good step: its weights flag is queued for
@@ -299,9 +295,8 @@ class HookedGuard(Adapter):
         why = None if diverging else self.core.stop_reason(self.policy, p.corrupt)
         action = "reported" if diverging else "raised" if why else "seen" if not self.can_skip else \
             {"skip": "skipped", "stop": "stopped", "record": "recorded"}[self.policy]
-        command = (self.replay(p.step) if self.replay is not None else None) or \
-            (_capsule.replay_command(self.entry, p.capsule) if p.capsule else
-             f"nanprobe run {shlex.quote(self.entry) if self.entry else 'ENTRY'} --at {p.step}" if p.report else None)
+        command = (self.replay(p.step) if self.replay is not None else None) or (_capsule.replay_command(
+            self.entry, p.capsule) if p.capsule else at_command(self.entry, p.step) if p.report else None)
         headline = _headline(report, p, self.unlocated)
         path = self._write_report(report, p, action, command, extra) if report is not None else None
         event = HookEvent(step=p.step, status=p.status.value, reason=p.reason, action=action, local=p.local,
