@@ -41,12 +41,11 @@ class GuardedCallback:
         self._items: list[int] = []     # the framework's indices of the step's micro-batches
 
     def _new_guard(self, model: torch.nn.Module, build_target: Callable[[], Any],
-                   curves: Callable[[int, dict[str, float]], None]) -> HookedGuard:
+                   curves: Callable[[int, dict[str, float]], None]) -> None:
         self._guard = HookedGuard(command=self.command, who=self.who, model=model, build_target=build_target,
                                   config=self.config, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
                                   max_reports=self.max_reports, events=self.events)
         self._guard.core.curves = curves
-        return self._guard
 
     def _live(self) -> HookedGuard | None:
         """The guard, while a step is being captured and nanprobe is not rerunning one."""

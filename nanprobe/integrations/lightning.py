@@ -82,7 +82,6 @@ class LightningStep:
     def __call__(self, model: torch.nn.Module, batch: Any, step: int) -> torch.Tensor | None:
         trainer, module = self.trainer, self.module
         micro = batch if isinstance(batch, MicroBatches) else [batch]
-        n = len(micro)
         epoch = self.epoch.get(step, trainer.current_epoch)
         idx = self.batch_idx.get(step, ())
         raw = trainer.optimizers[0]
@@ -99,8 +98,8 @@ class LightningStep:
                 result = closure.consume_result()
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
-                if j == n - 1:   # the optimizer's closure: the step's forward and backward already ran
-                    module.optimizer_step(epoch, bidx, lopt, lambda loss=result.loss: loss)
+            # the optimizer's closure: the step's forward and backward already ran
+            module.optimizer_step(epoch, bidx, lopt, lambda: result.loss)
         return total
 
     def _training_step(self, batch: Any, batch_idx: int):

@@ -63,11 +63,6 @@ def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
     return opt
 
 
-def _precision(args: Any) -> Precision:
-    return Precision.BF16 if getattr(args, "bf16", False) else \
-        Precision.FP16 if getattr(args, "fp16", False) else Precision.FP32
-
-
 class TrainerStep:
     """The Trainer's own optimizer step, as a nanprobe ``step_fn`` (``_inner_training_loop``'s body).
 
@@ -256,7 +251,8 @@ def _target_dict(trainer: Any, step: TrainerStep) -> dict[str, Any]:
             "optimizer": _unwrap_optimizer(trainer.optimizer),
             "scheduler": sched if callable(getattr(sched, "step", None)) else None,
             "grad_scaler": scaler if isinstance(scaler, torch.amp.GradScaler) else False,
-            "precision": _precision(trainer.args),
+            "precision": Precision.BF16 if getattr(trainer.args, "bf16", False) else
+                         Precision.FP16 if getattr(trainer.args, "fp16", False) else Precision.FP32,
             "accumulate": int(trainer.args.gradient_accumulation_steps)}
 
 

@@ -94,8 +94,8 @@ class HookedGuard(Adapter):
         self.entry = entry
         self.model = model
         self.build_target = build_target
-        self.on_bad = on_bad              # a bad step was caught (its gradients are still there)
-        self.adjust = adjust              # the diagnosis is done: add to the report
+        self.on_bad = on_bad or (lambda p: None)          # a bad step was caught (its gradients are still there)
+        self.adjust = adjust or (lambda report, p: report)   # the diagnosis is done: add to the report
         if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
             raise UsageError(f"max_reports={max_reports!r}", who, "Give the number of bad steps to diagnose "
                                                                   "in-process (0: none, only capsules)")
@@ -192,8 +192,7 @@ class HookedGuard(Adapter):
                        corrupt=corrupt)
             # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
             core.history.append(v.record)
-            if self.on_bad is not None:
-                self.on_bad(self.pending)
+            self.on_bad(self.pending)
             return self.policy != "record" and self.can_skip
         finally:
             core.reset()
@@ -214,8 +213,7 @@ class HookedGuard(Adapter):
                                history=list(self.history), loop=None, corrupt=True, rank=rank, world=world,
                                report=report)
         self.history.append(record)
-        if self.on_bad is not None:
-            self.on_bad(self.pending)
+        self.on_bad(self.pending)
         return True
 
     def _update_report(self, upd: dict[str, Any], step: int, since: str | None) -> Report:
@@ -282,9 +280,7 @@ class HookedGuard(Adapter):
         error = None
         if p.before is not None or p.report is not None:
             try:
-                report = p.report if p.report is not None else self._diagnose(p)
-                if self.adjust is not None:
-                    report = self.adjust(report, p)
+                report = self.adjust(p.report if p.report is not None else self._diagnose(p), p)
             except Exception as exc:  # noqa: BLE001 - the user's training must not die of nanprobe's diagnosis
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self.logger.debug("in-process diagnosis failed", exc_info=True)
