@@ -227,8 +227,7 @@ class Guard(Adapter):
     # -- internals ------------------------------------------------------------------------------------
 
     def _active_scaler(self) -> torch.amp.GradScaler | None:
-        s = self.scaler
-        return s if s is not None and s.is_enabled() else None
+        return self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters with a gradient in the order of ``model.parameters()`` (what the user's own
@@ -419,14 +418,13 @@ class Guard(Adapter):
         self.core.judge.model.load_state_dict(div)
         self.core.history.clear()
         self.core.history.extend(_capsule.io.to_record(dict(h)) for h in state.get("history", []))
-        capsules = []
+        self.capsules = []
         for p in state.get("capsules", []):
             if isinstance(p, (str, os.PathLike)) and self._own_capsule(Path(p)):
-                capsules.append(Path(p).resolve())
+                self.capsules.append(Path(p).resolve())
             else:
                 logger.warning("nanprobe.Guard: ignoring %r from the loaded state: not a capsule this guard wrote "
                                "in %s (it will never be deleted)", p, self.capsule_dir)
-        self.capsules = capsules
 
 
 def _needs_closure(opt: torch.optim.Optimizer) -> bool:
