@@ -445,7 +445,9 @@ def _dtype_max(dtype_name: str | None) -> float:
     return float(torch.finfo(getattr(torch, dtype_name)).max) if dtype_name else math.inf
 
 
-def _bits(limit: float, absmax: float | None) -> float | None:
+def _bits(dtype_name: str | None, absmax: float | None) -> float | None:
+    """Headroom in bits: log2(the dtype's max / absmax)."""
+    limit = _dtype_max(dtype_name)
     if absmax is None or absmax <= 0 or not math.isfinite(limit):
         return None
     if not math.isfinite(absmax):

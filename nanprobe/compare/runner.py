@@ -195,23 +195,19 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
         cmp.store = _Store(budget=cmp.store.budget, storage=cmp.store.storage)
         notes.append(f"reference is fp32: {skipped['fp64']}")
         runs["fp32"] = cmp.run("fp32", reference=True, tolerate=False)
+    cannot = {"tf32": device.type != "cuda" and f"tf32 is a CUDA tensor-core mode; skipped on {device.type}",
+              "fp16+scaler": not target.optimizers and "GradScaler needs an optimizer; the target has none"
+              or target.pure and (f"the weights themselves are {target.weights.value}: GradScaler needs float32 "
+                                  "weights (autocast) or float32 master copies to unscale into")
+              or target.step_fn is not None and ("your step_fn drives its own GradScaler (or none): the fp16 run "
+                                                 "executes it as written")}
     for name in names:
         if name in runs or name in skipped:
             continue
-        if name == "tf32" and device.type != "cuda":
-            skipped[name] = f"tf32 is a CUDA tensor-core mode; skipped on {device.type}"
-            continue
-        if name == "fp16+scaler" and not target.optimizers:
-            skipped[name] = "GradScaler needs an optimizer; the target has none"
-            continue
-        if name == "fp16+scaler" and target.pure:
-            skipped[name] = (f"the weights themselves are {target.weights.value}: GradScaler needs float32 weights "
-                             "(autocast) or float32 master copies to unscale into")
-            continue
-        if name == "fp16+scaler" and target.step_fn is not None:
-            skipped[name] = "your step_fn drives its own GradScaler (or none): the fp16 run executes it as written"
-            continue
-        runs[name] = cmp.run(name, reference=False, tolerate=True)
+        if cannot.get(name):
+            skipped[name] = cannot[name]
+        else:
+            runs[name] = cmp.run(name, reference=False, tolerate=True)
 
     scaler = None
     if "fp16+scaler" in runs and not runs["fp16+scaler"].trace.error:

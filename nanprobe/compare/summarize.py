@@ -11,6 +11,12 @@ from ..pipeline.diagnose import origin_of
 from .measure import ROOT, _bits, _dtype_max, _Measured, _OriginProbe, _pct, _pow2, _Run
 from .records import _PREFERENCE, _RUNS, CHOICES, LayerRow, LayerStat, PrecisionRun, Ranked, ScalerResult
 
+_NO_PROBE = _OriginProbe(would_reach=None, zeros=None, underflow=None)
+
+
+def _least(*values: float | None) -> float | None:
+    return min((v for v in values if v is not None), default=None)
+
 
 def _disagreements(results: dict[str, PrecisionRun], ref_name: str, cfg: CompareConfig) -> tuple[dict, ...]:
     """Finite precisions whose gradient points elsewhere than the reference's (cosine far below 1)."""
@@ -34,26 +40,19 @@ def _results(runs: dict[str, _Run], skipped: dict[str, str], names: tuple[str, .
     for name in CHOICES:
         if name != ref_name and name not in names:
             continue
-        prec, _ = _RUNS[name]
-        dtype = str(prec.dtype).replace("torch.", "")
-        if name in skipped:
-            out[name] = PrecisionRun(name=name, ran=False, dtype=dtype, note=skipped[name])
+        dtype = str(_RUNS[name][0].dtype).replace("torch.", "")
+        if name in skipped or runs[name].trace.error:
+            note = skipped.get(name) or f"could not run: {runs[name].trace.error}"
+            out[name] = PrecisionRun(name=name, ran=False, dtype=dtype, note=note)
             continue
         run = runs[name]
-        t = run.trace
-        if t.error:
-            out[name] = PrecisionRun(name=name, ran=False, dtype=dtype, note=f"could not run: {t.error}")
-            continue
-        m = run.measured
-        rec = t.record
-        e = t.origin
+        t, m = run.trace, run.measured
+        rec, e = t.record, t.origin
         finite = bool(rec.finite and not (t.trace and t.trace.events) and not m.nonfinite)
         sc = scaler if name == "fp16+scaler" else None
         if sc is not None and sc.skipped and sc.settled_scale is None:
             finite = False  # GradScaler's own skips are its normal business, unless no scale lets the step pass
-        probe = probes.get(name) if e is not None else None
-        would, zeros, under_origin, explains = (probe.would_reach, probe.zeros, probe.underflow, probe.explains) \
-            if probe else (None,) * 4
+        probe = (probes.get(name) if e is not None else None) or _NO_PROBE
         acts = _extreme(m, "out")
         grads = _extreme(m, "grad")
         loss_err = cos = None
@@ -64,25 +63,21 @@ def _results(runs: dict[str, _Run], skipped: dict[str, str], names: tuple[str, .
         p = m.totals["param"]
         if p.compared:
             denom = math.sqrt(p.sq * p.ref2)
-            cos = p.dot / denom if denom > 0 and math.isfinite(denom) else None
-            if name == ref_name:
-                cos = 1.0
-        act_bits = _bits(_dtype_max(acts[2]), acts[0])
-        grad_bits = _bits(_dtype_max(grads[2]), grads[0])
-        bits = _bits(_dtype_max(e.out_dtype), would) if would is not None and e is not None else None
-        if bits is not None and e.phase is Phase.FORWARD and (act_bits is None or bits < act_bits):
-            act_bits = bits
-        if bits is not None and e.phase is Phase.BACKWARD and (grad_bits is None or bits < grad_bits):
-            grad_bits = bits
+            cos = 1.0 if name == ref_name else p.dot / denom if denom > 0 and math.isfinite(denom) else None
+        # the origin op's magnitude in the reference, where probed, counts in its phase's headroom
+        bits = _bits(e.out_dtype, probe.would_reach) if probe.would_reach is not None else None
+        phase = e.phase if bits is not None else None
+        act_bits = _least(_bits(acts[2], acts[0]), bits if phase is Phase.FORWARD else None)
+        grad_bits = _least(_bits(grads[2], grads[0]), bits if phase is Phase.BACKWARD else None)
         out[name] = PrecisionRun(
             name=name, ran=True, reference=name == ref_name, dtype=dtype, loss=run.loss,
             loss_rel_err=0.0 if name == ref_name else loss_err, grad_norm=rec.grad_norm, grad_cosine=cos,
-            finite=finite, origin=origin_of(e, name), would_reach=would, zeros_at_origin=zeros,
+            finite=finite, origin=origin_of(e, name), would_reach=probe.would_reach, zeros_at_origin=probe.zeros,
             act_absmax=acts[0], act_module=acts[1], act_headroom_bits=act_bits,
             grad_absmax=grads[0], grad_module=grads[1], grad_headroom_bits=grad_bits,
             underflow_grads=m.totals["param"].underflow, underflow_act_grads=m.totals["grad"].underflow,
-            underflow_acts=m.totals["out"].underflow, underflow_origin=under_origin,
-            underflow_explains=explains, scaler=sc,
+            underflow_acts=m.totals["out"].underflow, underflow_origin=probe.underflow,
+            underflow_explains=probe.explains, scaler=sc,
             supported=bf16_ok if name == "bf16" else None)
     return out
 
@@ -95,17 +90,15 @@ def _extreme(m: _Measured, kind: str) -> tuple[float | None, str | None, str | N
         agg = m.modules.get(module, {}).get(kind)
         if agg is None or agg.absmax <= 0:
             continue
-        bits = _bits(_dtype_max(agg.dtype), agg.absmax)
+        bits = _bits(agg.dtype, agg.absmax)
         if bits is not None and bits < best_bits:
             best, best_bits = (agg.absmax, module, agg.dtype), bits
     return best
 
 
 def _layers(runs: dict[str, _Run], ref_name: str, results: dict[str, PrecisionRun]) -> tuple[LayerRow, ...]:
-    order = list(runs[ref_name].measured.order)
-    for run in runs.values():
-        if run.measured is not None:
-            order += [n for n in run.measured.order if n not in order]
+    order = list(dict.fromkeys(n for run in (runs[ref_name], *runs.values()) if run.measured is not None
+                               for n in run.measured.order))   # the reference's forward order, then the rest
     ref_mods = runs[ref_name].measured.modules
     total_ref2 = runs[ref_name].measured.totals["param"].ref2
     rows = []
@@ -131,7 +124,7 @@ def _layers(runs: dict[str, _Run], ref_name: str, results: dict[str, PrecisionRu
                     if r.dtype in ("float16", "bfloat16") and (kind == "grad" or dtype not in ("float16", "bfloat16")):
                         dtype = r.dtype
                 side[kind] = (agg, dtype, would,
-                              _bits(_dtype_max(dtype), would if would is not None else agg.absmax if agg else None))
+                              _bits(dtype, would if would is not None else agg.absmax if agg else None))
             (out, dtype, out_would, out_bits), (grad, _, grad_would, grad_bits) = side["out"], side["grad"]
             param = aggs.get("param")
             pg = None
@@ -153,14 +146,16 @@ def _rank(layers: tuple[LayerRow, ...], ref_name: str, k: int, results: dict[str
     """Top-k (precision, module) by error, by headroom (ascending) and by underflow share."""
     least, over, under = [], [], []
     origin_listed: set[str] = set()
+
+    def add(table: list, key: float, order: int, name: str, module: str, value: float, detail: str) -> None:
+        table.append((key, order, Ranked(precision=name, module=module, value=value, detail=detail)))
     known = {row.module for row in layers}
     for name, r in results.items():  # a forward origin names its module; the modules after it inherit
         o = r.origin if r.ran and not r.finite else None
         if o is not None and o.phase is Phase.FORWARD and o.module in known:
             origin_listed.add(name)
             order = next(row.order for row in layers if row.module == o.module)
-            least.append((-math.inf, order, Ranked(precision=name, module=o.module, value=math.inf,
-                                                   detail=f"output non-finite (origin: {o.op})")))
+            add(least, -math.inf, order, name, o.module, math.inf, f"output non-finite (origin: {o.op})")
     for row in layers:
         for name, s in row.stats.items():
             if name == ref_name:
@@ -168,14 +163,12 @@ def _rank(layers: tuple[LayerRow, ...], ref_name: str, k: int, results: dict[str
             if not s.out_finite:
                 if name not in origin_listed:  # the first module whose output went non-finite; the rest inherit it
                     origin_listed.add(name)
-                    least.append((-math.inf, row.order, Ranked(precision=name, module=row.module, value=math.inf,
-                                                               detail="output non-finite")))
+                    add(least, -math.inf, row.order, name, row.module, math.inf, "output non-finite")
             else:
                 errs = [v for v in (s.out_rel_err, s.param_grad_rel_err) if v is not None and math.isfinite(v)]
                 if errs:
                     detail = f"outputs {_e(s.out_rel_err)}, param grads {_e(s.param_grad_rel_err)}"
-                    least.append((-max(errs), row.order, Ranked(precision=name, module=row.module, value=max(errs),
-                                                                detail=detail)))
+                    add(least, -max(errs), row.order, name, row.module, max(errs), detail)
             bits = s.headroom_bits
             if bits is not None:
                 grad_side = s.grad_headroom_bits is not None and (s.out_headroom_bits is None
@@ -184,11 +177,11 @@ def _rank(layers: tuple[LayerRow, ...], ref_name: str, k: int, results: dict[str
                 mag = would if would is not None else (s.grad_absmax if grad_side else s.out_absmax)
                 detail = (f"{'gradient' if grad_side else 'activation'} |x| {_e(mag)}"
                           + (" (would reach)" if would is not None else "") + f", {_e(bits)} bits below its max")
-                over.append((bits, row.order, Ranked(precision=name, module=row.module, value=bits, detail=detail)))
+                add(over, bits, row.order, name, row.module, bits, detail)
             share = s.underflow
             if share:
                 detail = f"activations {_share(s.out_underflow)}, gradients {_share(s.grad_underflow)}"
-                under.append((-share, row.order, Ranked(precision=name, module=row.module, value=share, detail=detail)))
+                add(under, -share, row.order, name, row.module, share, detail)
     pick = lambda items: tuple(r for *_, r in sorted(items, key=lambda x: (x[0], x[1]))[:k])  # noqa: E731
     return pick(least), pick(over), pick(under)
 
@@ -215,19 +208,17 @@ def _problem(r: PrecisionRun, bf16_ok: bool) -> tuple[str, str]:
     if r.would_reach is not None and limit is not None and r.would_reach > limit:
         return (f"overflows in {where} at {op} (|x| would reach {_pow2(r.would_reach)} > {limit:g})",
                 "keep that block in fp32" + alt)
-    if not r.underflow_origin and r.zeros_at_origin and r.zeros_at_origin[0] > r.zeros_at_origin[1]:
-        here, ref = r.zeros_at_origin
-        return (f"rounds inputs of {op} in {where} to 0 ({here} of its inputs are 0 in {r.name}, {ref} in the "
-                "reference, whose values are within the dtype's range: digits lost, e.g. a difference of nearly "
-                "equal terms)", "compute that in fp32" + alt.replace(" or", ", or"))
-    if r.underflow_origin or (r.zeros_at_origin and r.zeros_at_origin[0] > r.zeros_at_origin[1]):
-        here, ref = r.zeros_at_origin
-        share = f"{_pct(r.underflow_origin)} of its inputs are zero or subnormal in {r.name}" \
-            if r.underflow_origin else f"{here} of its inputs are 0 in {r.name}, {ref} in the reference"
+    if r.underflow_origin:
+        share = f"{_pct(r.underflow_origin)} of its inputs are zero or subnormal in {r.name}"
         if r.underflow_explains:
             share += f"; they feed {_pct(r.underflow_explains)} of its non-finite outputs"
         return (f"underflows before {op} in {where} ({share})",
                 "compute that in fp32 or add an eps" + alt.replace(" or", ", or"))
+    if r.zeros_at_origin and r.zeros_at_origin[0] > r.zeros_at_origin[1]:
+        here, ref = r.zeros_at_origin
+        return (f"rounds inputs of {op} in {where} to 0 ({here} of its inputs are 0 in {r.name}, {ref} in the "
+                "reference, whose values are within the dtype's range: digits lost, e.g. a difference of nearly "
+                "equal terms)", "compute that in fp32" + alt.replace(" or", ", or"))
     return f"non-finite ({o.kind}) at {op} in {where}", "keep that block in fp32" + alt
 
 
@@ -292,9 +283,8 @@ def _recommend(results: dict[str, PrecisionRun], ref_name: str, cfg: CompareConf
             if name in ("fp32", "tf32") and accurate(r):
                 continue  # only worth a word when something is off
             parts.append(text)
-    recommended = next((n for n in _PREFERENCE if n != ref_name and safe(results.get(n))), None)
-    if recommended is None:
-        recommended = "fp32" if (fp32 is not None and fp32.ran and fp32.finite) else None
+    recommended = next((n for n in _PREFERENCE if n != ref_name and safe(results.get(n))),
+                       "fp32" if fp32 is not None and fp32.ran and fp32.finite else None)
     head = f"use {recommended}" if recommended else "no compared precision is safe for this step"
     own = results.get(run) if run is not None else None
     if recommended and own is not None and own.ran and not own.finite and run != recommended:
