@@ -107,9 +107,7 @@ def safe_value(obj: Any, dropped: list[str], path: str = "") -> Any:
         return full_value(obj.detach())   # a DTensor shard: the full tensor (every rank gathers it)
     if isinstance(obj, enum.Enum):
         return safe_value(obj.value, dropped, path)
-    if isinstance(obj, _PLAIN):
-        return obj
-    if isinstance(obj, (torch.Size, torch.dtype, torch.device)):
+    if isinstance(obj, (*_PLAIN, torch.Size, torch.dtype, torch.device)):
         return obj
     np = sys.modules.get("numpy")
     if np is not None:
@@ -334,6 +332,3 @@ def rng_from_safe(safe: Any, device_type: str, field: str = "rng") -> dict[str, 
         raise CapsuleError(f"capsule field {field!r} is damaged", None, "Use another capsule") from None
     return state
 
-
-__all__ = ["unwrap", "fingerprint", "fingerprint_difference", "safe_value", "encode_batch", "decode_batch",
-           "rng_to_safe", "rng_from_safe"]

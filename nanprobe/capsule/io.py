@@ -12,6 +12,7 @@ import platform
 import random
 import re
 import shlex
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -165,18 +166,14 @@ class Capsule:
 
 def _upgrade(data: dict[str, Any]) -> None:
     """Format 1 -> format 2 keys, in place."""
-    if "optimizers" not in data:
-        data["optimizers"] = [data["optimizer"]] if data.get("optimizer") is not None else []
-    if "schedulers" not in data:
-        data["schedulers"] = [data["scheduler"]] if data.get("scheduler") is not None else []
-    if "scalers" not in data:
-        data["scalers"] = [data["scaler"]] if data.get("scaler") else []
+    for new, old in (("optimizers", "optimizer"), ("schedulers", "scheduler"), ("scalers", "scaler")):
+        value = data.get(old)
+        if new not in data:   # an empty scaler state ({}: GradScaler off) was no scaler
+            data[new] = [] if value is None or (old == "scaler" and not value) else [value]
     if "micro_batches" not in data:
         data["micro_batches"] = [] if data.get("batch_missing") else [data.get("batch")]
-    data.setdefault("micro_rng", [])
-    data.setdefault("carried", {})
-    data.setdefault("position", None)
-    data.setdefault("form", "loss_fn")
+    for key, default in (("micro_rng", []), ("carried", {}), ("position", None), ("form", "loss_fn")):
+        data.setdefault(key, default)
 
 
 _LOCAL, _END = b"PK\x03\x04", b"PK\x05\x06"
@@ -310,14 +307,8 @@ def read(path: str | os.PathLike) -> Capsule:
 def list_capsules(folder: str | os.PathLike, step: int | None = None) -> list[Path]:
     """Capsule files in ``folder`` (for ``step`` if given), by name; nothing is opened."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    out = []
-    for p in folder.iterdir():
-        m = NAME.match(p.name)
-        if m and (step is None or int(m.group(1)) == step):
-            out.append(p)
-    return sorted(out)
+    found = folder.iterdir() if folder.is_dir() else ()
+    return sorted(p for p in found if (m := NAME.match(p.name)) and (step is None or int(m.group(1)) == step))
 
 
 def no_room(capsules: list[Path], limit: int) -> bool:
@@ -332,7 +323,7 @@ def prune(capsules: list[Path], limit: int, may_delete: Callable[[Path], bool] =
         old = capsules.pop(1)
         if old.is_dir():   # a sharded capsule's directory (every rank may get here: missing files are fine)
             if sharded.DIR_NAME.match(old.name):
-                sharded.remove(old)
+                shutil.rmtree(old, ignore_errors=True)
             continue
         if may_delete(old):
             try:
@@ -362,7 +353,3 @@ def replay_command(entry: str | None, path: str | os.PathLike) -> str:
     """The command that replays capsule ``path`` (``ENTRY`` where the entrypoint is not known)."""
     return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --capsule {shlex.quote(short_path(path))}"
 
-
-__all__ = ["Capsule", "build", "write", "read", "list_capsules", "record_dict", "to_record", "replay_command",
-           "report_stem",
-           "no_room", "prune", "carried_attrs", "FORMAT", "SUFFIX", "NAME"]

@@ -44,11 +44,6 @@ RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
 KIND = "dcp"
 
 
-def fsdp1(model: torch.nn.Module) -> bool:
-    """The model is (or holds) FSDP1's ``FullyShardedDataParallel``."""
-    return fsdp1_root(model) is not None
-
-
 def wanted(model: torch.nn.Module, world_size: int, optimizers: list[Any] = ()) -> bool:
     """A capsule of this model is a DCP directory: a multi-rank run of FSDP2, FSDP1 or DDP (a model the
     ranks shard, or replicate), or a model every rank holds bitwise the same copy of with the same
@@ -60,18 +55,8 @@ def wanted(model: torch.nn.Module, world_size: int, optimizers: list[Any] = ()) 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return type(model).__name__ == "DistributedDataParallel" or sharded(unwrap(model)) or fsdp1(model) \
+    return type(model).__name__ == "DistributedDataParallel" or sharded(unwrap(model)) or fsdp1_root(model) is not None \
         or replicated(unwrap(model), optimizers)
-
-
-def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two float64 sums per tensor (plain and position-weighted): bitwise copies give the same values."""
-    out = []
-    for t in tensors:
-        v = t.detach().reshape(-1).to(torch.float64)
-        w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device) / max(v.numel(), 1)
-        out.append(torch.stack([v.sum(), (v * w).sum()]))
-    return torch.cat(out).to(device) if out else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
@@ -87,7 +72,12 @@ def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if count[0].item() != -count[1].item():
         return False
-    sums = _checksums(tensors, device)
+    out = []   # two float64 sums per tensor (plain and position-weighted): bitwise copies give the same values
+    for t in tensors:
+        v = t.detach().reshape(-1).to(torch.float64)
+        w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device) / max(v.numel(), 1)
+        out.append(torch.stack([v.sum(), (v * w).sum()]))
+    sums = torch.cat(out).to(device) if out else torch.zeros(0, dtype=torch.float64, device=device)
     both = torch.cat([sums, -sums])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     n = sums.numel()
@@ -127,7 +117,7 @@ def _split_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], dropped:
 
 def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) -> tuple[dict[str, Any], list]:
     """(what DCP saves: {"model": ..., "optimizers": {"0": ...}}, each optimizer's non-tensor part)."""
-    if fsdp1(model):   # flat parameters: FSDP1's own sharded state dicts, keyed by the original names
+    if fsdp1_root(model) is not None:   # flat parameters: FSDP1's own sharded state dicts, keyed by the original names
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         with warnings.catch_warnings():
@@ -208,7 +198,7 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True))
     except Exception as exc:  # noqa: BLE001 - every rank gets here together: no capsule, training goes on
         if rank == 0:
-            remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise OSError(f"torch.distributed.checkpoint failed: {type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ''}") from None
     own = dict(data, model={}, optimizers=metas, sharded={"kind": KIND}, dropped=dropped)
@@ -217,7 +207,7 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         kept = {q: v for q, v in attrs.items() if not isinstance(v, torch.Tensor) or _intact(v)}
         dropped += [f"carried {q} (a view of freed memory)" for q in attrs if q not in kept]
         own["carried"] = dict(own["carried"], attrs=kept)
-    if fsdp1(model):   # its parameters are flat shards: the original names and full shapes, as the state holds them
+    if fsdp1_root(model) is not None:   # its parameters are flat shards: the original names and full shapes, as the state holds them
         buffers = {_clean(n) for n, _ in model.named_buffers()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)   # ShardedTensor's deprecation: FSDP1 state dicts use it
@@ -235,7 +225,7 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
         if rank == 0:
-            remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise OSError("a rank could not write its file of the capsule")
     return _on_rank0(lambda: publish(tmp, lambda attempt: folder / (
         capsule_name(step, 0, attempt).replace("-rank0-", "-").removesuffix(SUFFIX) + DIR_SUFFIX), link=False))
@@ -253,11 +243,6 @@ def list_dirs(folder: str | os.PathLike, step: int) -> list[Path]:
 def is_capsule_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
     return p.is_dir() and any(RANK_FILE.match(q.name) for q in p.iterdir())
-
-
-def remove(path: Path) -> None:
-    """Delete a capsule directory (every rank may call this: missing files are fine)."""
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # -- reading --------------------------------------------------------------------------------------------
@@ -441,6 +426,3 @@ def read_dir(path: str | os.PathLike, read: Any) -> tuple[list, dict[str, Any]]:
                            "supported yet)")
     return caps, load_state(p)
 
-
-__all__ = ["wanted", "write", "read_dir", "list_dirs", "load_state", "optimizer_state", "is_capsule_dir", "remove", "fsdp1",
-           "state_bytes", "DIR_SUFFIX", "DIR_NAME"]

@@ -40,22 +40,19 @@ class _Store:
     parameter gradients in a TensorStore: a file for large CPU models)."""
 
     budget: int                                           # bytes for outputs and gradient masks
+    storage: Any                                          # nanprobe.reach.state.StoragePolicy for grad_store
     used: int = 0
     outputs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     grad_masks: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # |ref grad| >= floor
     ref2: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)        # sum ref^2 of each output
     grads: dict[str, Any] = field(default_factory=dict)                            # name -> Slot (float32)
     grad_store: Any = None
-    storage: Any = None                                   # nanprobe.reach.state.StoragePolicy for grad_store
-    full: bool = False
 
     def fits(self, t: torch.Tensor, itemsize: int) -> bool:
-        need = t.numel() * itemsize
-        if self.used + need > self.budget:
-            self.full = True
-            return False
-        self.used += need
-        return True
+        """Whether ``t``, at ``itemsize`` bytes an element, fits in what is left of the budget (then counted)."""
+        fits = self.used + t.numel() * itemsize <= self.budget
+        self.used += t.numel() * itemsize if fits else 0
+        return fits
 
 
 @dataclass(slots=True)
@@ -94,11 +91,8 @@ def _underflow(t: torch.Tensor, ref: torch.Tensor | None, ref_mask: torch.Tensor
     """(elements zero or below ``tiny`` in ``t`` where the reference is >= the float32 floor,
     elements >= the floor in the reference), as float64 scalars. Two cheap passes (min |x|, no
     temporaries) decide the common case of nothing small; the masks are built only otherwise."""
-    on_cpu = t.device.type == "cpu"
-    if ref_mask is None and on_cpu:
-        ref_min = _absmin(ref)
-        all_ref = ref_min >= _FLOOR
-        if all_ref and _absmin(t) >= tiny:
+    if ref_mask is None and t.device.type == "cpu":
+        if _absmin(ref) >= _FLOOR and _absmin(t) >= tiny:
             return torch.zeros((), dtype=torch.float64), torch.tensor(float(ref.numel()), dtype=torch.float64)
     nz = ref_mask if ref_mask is not None else ref.abs() >= _FLOOR
     a = t.abs()
@@ -114,8 +108,7 @@ class _Capture:
         self.store, self.reference, self.low, self.scale = store, reference, low, scale
         self.device_type = device_type
         self.phase: Phase | None = None
-        self.calls: dict[str, int] = {}
-        self.order: list[str] = []
+        self.calls: dict[str, int] = {}        # module -> calls so far, in the order of their first call
         self.rows: list[_Row] = []
         self._alive: dict[int, torch.Tensor] = {}
         self._ref_by_id: dict[int, torch.Tensor] = {}
@@ -149,8 +142,6 @@ class _Capture:
             return
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
-        if call == 0:
-            self.order.append(name)
         key = (name, call)
         unique = id(t) not in self._alive
         self._alive[id(t)] = t
@@ -226,9 +217,7 @@ class _Capture:
         nought = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         if self.reference:
             if store.grad_store is None:
-                from ..reach.state import StoragePolicy
-                pol = store.storage or StoragePolicy()
-                store.grad_store = pol.new_store(grads[0].device.type, sum(g.numel() * 4 for g in grads))
+                store.grad_store = store.storage.new_store(grads[0].device.type, sum(g.numel() * 4 for g in grads))
             slots = store.grad_store.put_all([g.float() if g.dtype != torch.float32 else g for g in grads])
             store.grads.update({name: slot for (name, _), slot in zip(named, slots)})
         scratch: dict[tuple, torch.Tensor] = {}
@@ -273,7 +262,7 @@ class _Capture:
                 values = torch.stack([r.values for r in self.rows]).tolist()
             except RuntimeError:  # rows on several devices (a model split across GPUs)
                 values = torch.stack([r.values.cpu() for r in self.rows]).tolist()
-        return _Measured.build(self.rows, values, self.order)
+        return _Measured.build(self.rows, values, list(self.calls))
 
 
 @dataclass(slots=True)

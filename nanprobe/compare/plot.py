@@ -52,8 +52,8 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
               (torch.finfo(torch.float16).tiny, "fp16 smallest normal", "tab:red", ":"),
               (torch.finfo(torch.bfloat16).max, "bf16 max", "tab:purple", "--"),
               (torch.finfo(torch.bfloat16).tiny, "bf16 smallest normal", "tab:purple", ":")]
-    for ax, attr, title in ((axes[0], "out_absmax", "activations: max |module output|"),
-                            (axes[1], "grad_absmax", "gradients: max |d loss / d module output| (as held)")):
+    for ax, side, title in ((axes[0], "out", "activations: max |module output|"),
+                            (axes[1], "grad", "gradients: max |d loss / d module output| (as held)")):
         lows: list[float] = []
         for name, run in cmp.precisions.items():
             if not run.ran:
@@ -63,15 +63,13 @@ def plot_comparison(cmp: Comparison, path: str | Path) -> Path:
                 s = row.stats.get(name)
                 if s is None:
                     continue
-                v = getattr(s, attr)
-                finite = s.out_finite if attr == "out_absmax" else s.grad_finite
+                v = getattr(s, f"{side}_absmax")
                 if v is not None and v > 0:
                     xs.append(i)
                     ys.append(v)
-                if not finite:
+                if not getattr(s, f"{side}_finite"):
                     bad_x.append(i)
-                    would = s.out_would_reach if attr == "out_absmax" else s.grad_would_reach
-                    bad_y.append(would or v or 1.0)
+                    bad_y.append(getattr(s, f"{side}_would_reach") or v or 1.0)
             style = dict(color="black", linewidth=2.5, alpha=0.35) if run.reference else dict(linewidth=1.2)
             line = ax.plot(xs, ys, marker="o", markersize=3, label=name + (" (reference)" if run.reference else ""),
                            **style)[0]

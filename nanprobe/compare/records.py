@@ -196,14 +196,11 @@ class PrecisionRun:
                           "activations": _num(self.underflow_acts), "origin_inputs": _num(self.underflow_origin),
                           "max": _num(self.underflow)},
         })
-        if self.zeros_at_origin is not None:
-            out["zeros_at_origin"] = {"here": self.zeros_at_origin[0], "reference": self.zeros_at_origin[1]}
-        if self.underflow_explains is not None:
-            out["underflow_explains"] = _num(self.underflow_explains)
-        if self.scaler is not None:
-            out["scaler"] = self.scaler.to_json()
-        if self.supported is not None:
-            out["supported"] = self.supported
+        zeros = self.zeros_at_origin
+        optional = {"zeros_at_origin": zeros and {"here": zeros[0], "reference": zeros[1]},
+                    "underflow_explains": _num(self.underflow_explains),
+                    "scaler": self.scaler and self.scaler.to_json(), "supported": self.supported}
+        out.update({k: v for k, v in optional.items() if v is not None})   # each only where known
         if self.note:
             out["note"] = self.note
         return out

@@ -18,7 +18,7 @@ from ..base.precision import Precision, describe_device, device_of, emulate_fp16
 from ..reach.replay import NoBadStep, Reached, reach
 from ..base.report import Phase, Status
 from ..locate.rerun import run_step
-from ..reach.state import borrows_globals
+from ..reach.state import StoragePolicy, borrows_globals
 from .measure import _Capture, _input_underflow, _OpProbe, _OriginProbe, _Run, _Store
 from .records import _RUNS, Comparison, ScalerResult, parse_precisions
 from .summarize import _disagreements, _layers, _rank, _recommend, _results
@@ -26,10 +26,10 @@ from .summarize import _disagreements, _layers, _rank, _recommend, _results
 
 class _Comparer:
     def __init__(self, loaded: Loaded, reached: Reached, cfg: CompareConfig, progress: Callable[[str], None],
-                 storage=None):
+                 storage: StoragePolicy):
         self.loaded, self.target, self.reached, self.cfg, self.progress = loaded, loaded.target, reached, cfg, progress
         self.device = device_of(self.target.model)
-        self.store = _Store(budget=int(cfg.max_reference_mb * 2 ** 20), storage=storage)
+        self.store = _Store(int(cfg.max_reference_mb * 2 ** 20), storage)
         # reruns end before the optimizer update unless the update is in question (as in nanprobe run)
         rec = reached.record
         suspect = rec is not None and not rec.finite and (rec.loss is None or math.isfinite(rec.loss)) and \
@@ -192,7 +192,7 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
             skipped["fp64"] = "float64 copy of the model does not fit in memory"
     if "fp64" in skipped:
         ref_name = "fp32"
-        cmp.store = _Store(budget=cmp.store.budget, storage=cmp.store.storage)
+        cmp.store = _Store(cmp.store.budget, cmp.store.storage)
         notes.append(f"reference is fp32: {skipped['fp64']}")
         runs["fp32"] = cmp.run("fp32", reference=True, tolerate=False)
     cannot = {"tf32": device.type != "cuda" and f"tf32 is a CUDA tensor-core mode; skipped on {device.type}",
