@@ -80,10 +80,9 @@ def optimizer_state_damage(opt: torch.optim.Optimizer) -> str | None:
 
 def _load_states(cap: Capsule, target, loop, notes: list[str]) -> None:
     data = cap.data
-    model = target.model
     try:
         with torch.no_grad():
-            model.load_state_dict(data["model"])
+            target.model.load_state_dict(data["model"])
     except (RuntimeError, KeyError, ValueError, TypeError) as exc:
         raise CapsuleError(f"model state does not load: {str(exc).splitlines()[0][:160]}", cap.path,
                            "Pass the ENTRY that builds the model the guarded run trained") from None
@@ -298,10 +297,9 @@ def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None 
         try:
             cap = read(p)
             check_model(cap, loaded.target.model)
+            candidates.append(cap)
         except CapsuleError as err:
             notes.append(f"capsule {p} for step {step} not used: {err.what}")
-            continue
-        candidates.append(cap)
     if not candidates:
         return None, notes
     # the rank that saw the problem first, then rank 0, then the newest

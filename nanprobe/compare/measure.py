@@ -106,6 +106,7 @@ class _Capture:
         self.names = {id(m): (name or ROOT) for name, m in model.named_modules()}
         self.params = list(model.named_parameters())
         self.store, self.reference, self.low, self.scale = store, reference, low, scale
+        self.narrow = low in (torch.float16, torch.bfloat16)   # underflow is measured in fp16 and bf16 runs
         self.device_type = device_type
         self.phase: Phase | None = None
         self.calls: dict[str, int] = {}        # module -> calls so far, in the order of their first call
@@ -174,7 +175,6 @@ class _Capture:
         diff2 = ref2 = under = count = nought
         compared = False
         store = self.store
-        low = self.low in (torch.float16, torch.bfloat16)
         if self.reference:
             if kind == "out":
                 kept = self._ref_by_id.get(ident) if ident is not None else None
@@ -195,13 +195,15 @@ class _Capture:
                     d = t.float() - ref
                     diff2 = torch.linalg.vector_norm(d, dtype=torch.float64).square()
                     ref2 = store.ref2.get(key, nought)
-                if low:   # zero or subnormal in its own dtype where the reference is not
+                if self.narrow:   # zero or subnormal in its own dtype where the reference is not
                     under, count = _underflow(t, ref if kind == "out" else None, None if kind == "out" else ref,
                                               torch.finfo(t.dtype).tiny)
                 compared = True
-        self.rows.append(_Row(kind=kind, module=key[0], unique=unique, dtype=str(t.dtype).replace("torch.", ""),
-                              compared=compared,
-                              values=torch.stack([absmax, nonfinite, diff2, ref2, under, count, nought, nought])))
+        self._row(kind, key[0], unique, t, compared, [absmax, nonfinite, diff2, ref2, under, count, nought, nought])
+
+    def _row(self, kind: str, module: str, unique: bool, t: torch.Tensor, compared: bool, values: list) -> None:
+        self.rows.append(_Row(kind=kind, module=module, unique=unique, dtype=str(t.dtype).replace("torch.", ""),
+                              compared=compared, values=torch.stack(values)))
 
     def _param_grads(self) -> None:
         named = [(name, p.grad.detach()) for name, p in self.params
@@ -212,7 +214,6 @@ class _Capture:
         grads = [g for _, g in named]
         norms = torch._foreach_norm(grads)                       # fused: |g| of every gradient
         tiny = torch.finfo(self.low).tiny
-        low = self.low in (torch.float16, torch.bfloat16)
         store = self.store
         nought = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         if self.reference:
@@ -247,13 +248,12 @@ class _Capture:
                     # an fp32 gradient of an fp16 run underflowed where it is 0, or subnormal in fp16 and
                     # exactly representable there (it came through fp16); elsewhere: 0 or subnormal in its dtype
                     under = count = nought
-                    if low:
+                    if self.narrow:
                         under, count = _underflow(g, r, None, tiny, through=self.low if g.dtype != self.low else None)
                     r.sub_(gu)
                     diff2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
                     row = [absmax, nonfinite, diff2, r2, under, count, dot, sq]
-            self.rows.append(_Row(kind="param", module=module, unique=True, dtype=str(g.dtype).replace("torch.", ""),
-                                  compared=compared, values=torch.stack(row)))
+            self._row("param", module, True, g, compared, row)
 
     def finish(self) -> _Measured:
         values: list[list[float]] = []
