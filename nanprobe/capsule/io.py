@@ -41,18 +41,15 @@ def record_dict(r: StepRecord | dict) -> dict[str, Any]:
 
 
 def to_record(d: dict[str, Any]) -> StepRecord:
-    def num(key):
+    def num(key, kind=float):   # a number of that kind (a float also from an int), else None
         v = d.get(key)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        return kind(v) if isinstance(v, (int, kind)) and not isinstance(v, bool) else None
 
-    def integer(key):
-        v = d.get(key)
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
     losses = d.get("losses") if isinstance(d.get("losses"), Mapping) else {}
     return StepRecord(step=int(d.get("step", -1)), loss=num("loss"), grad_norm=num("grad_norm"), lr=num("lr"),
                       update_ratio=num("update_ratio"), finite=bool(d.get("finite", True)),
-                      skipped=bool(d.get("skipped", False)), scale=num("scale"), epoch=integer("epoch"),
-                      index=integer("index"),
+                      skipped=bool(d.get("skipped", False)), scale=num("scale"), epoch=num("epoch", int),
+                      index=num("index", int),
                       losses={str(k): float(v) for k, v in losses.items() if isinstance(v, (int, float))})
 
 

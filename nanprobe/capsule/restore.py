@@ -8,6 +8,7 @@ from the capsule: what the guarded run really did; differences become notes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -145,13 +146,8 @@ def _batch_like(enc: Any) -> Any:
 
 def _version(text: Any) -> tuple[int, ...]:
     """"2.13.0+cpu" -> (2, 13, 0); unreadable -> ()."""
-    parts = []
-    for piece in str(text).split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    digits = ("".join(ch for ch in piece if ch.isdigit()) for piece in str(text).split("+")[0].split("."))
+    return tuple(int(d) for d in itertools.takewhile(bool, digits))
 
 
 def version_notes(cap: Capsule) -> list[str]:

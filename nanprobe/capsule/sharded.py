@@ -234,9 +234,8 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
 def list_dirs(folder: str | os.PathLike, step: int) -> list[Path]:
     """The capsule directories of step ``step`` in ``folder``, newest first; nothing is opened."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if (m := DIR_NAME.match(p.name)) and int(m.group(1)) == step and p.is_dir()]
+    found = [p for p in (folder.iterdir() if folder.is_dir() else ())
+             if (m := DIR_NAME.match(p.name)) and int(m.group(1)) == step and p.is_dir()]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
