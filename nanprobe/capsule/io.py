@@ -153,11 +153,8 @@ class Capsule:
     rank: int
     world_size: int
     local: bool
-    entry: str | None
     device: str
-    created: str | None
     versions: dict[str, Any]
-    format: int
     data: dict[str, Any] = field(repr=False)
 
 
@@ -254,13 +251,12 @@ def read(path: str | os.PathLike) -> Capsule:
         short = truncation(p)
         if short is not None:
             found, needed = short
-            raise CapsuleError(f"file is truncated: {found:,} bytes, while the tensors it lists alone need "
-                               f"{needed:,}" if needed else f"file is truncated: it ends after {found:,} bytes, "
-                               "inside its own records", where, "It was cut off while being written or copied: copy it again "
-                                                     "from where the guard wrote it (the guard only gives a capsule "
-                                                     "its name once it is complete)") from None
-        if "Weights only load failed" in text or "Unsupported global" in text or "unsupported" in text.lower() \
-                and "global" in text.lower():
+            what = (f"file is truncated: {found:,} bytes, while the tensors it lists alone need {needed:,}" if needed
+                    else f"file is truncated: it ends after {found:,} bytes, inside its own records")
+            raise CapsuleError(what, where, "It was cut off while being written or copied: copy it again from "
+                               "where the guard wrote it (the guard only gives a capsule its name once it is "
+                               "complete)") from None
+        if "Weights only load failed" in text or "unsupported" in text.lower() and "global" in text.lower():
             m = re.search(r"GLOBAL ([\w.]+)", text)
             what = ("file holds Python objects or code that a capsule never contains; refused to load it"
                     + (f" (it names {m.group(1)})" if m else ""))
@@ -296,9 +292,8 @@ def read(path: str | os.PathLike) -> Capsule:
         raise CapsuleError(f"capsule fields are damaged ({exc})", where, "Use another capsule") from None
     return Capsule(path=where, step=step, precision=precision, status=status, reason=data.get("reason"),
                    rank=int(data.get("rank", 0)), world_size=int(data.get("world_size", 1)),
-                   local=bool(data.get("local", True)), entry=data.get("entry"), device=str(data.get("device", "cpu")),
-                   created=data.get("created"), versions=dict(data.get("versions") or {}), format=version,
-                   data=data)
+                   local=bool(data.get("local", True)), device=str(data.get("device", "cpu")),
+                   versions=dict(data.get("versions") or {}), data=data)
 
 
 def list_capsules(folder: str | os.PathLike, step: int | None = None) -> list[Path]:

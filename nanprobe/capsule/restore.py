@@ -187,10 +187,9 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
     target = loaded.target
     model = target.model
     if isinstance(cap.data.get("sharded"), Mapping) and not cap.data.get("model"):
-        parent = Path(cap.path).parent
         raise CapsuleError(f"{Path(cap.path).name} is rank {cap.rank}'s file of a sharded capsule (the weights are "
                            f"in its directory's DCP files)", cap.path,
-                           f"Pass the directory: nanprobe run ENTRY --capsule {short_path(parent)}")
+                           f"Pass the directory: nanprobe run ENTRY --capsule {short_path(Path(cap.path).parent)}")
     check_model(cap, model)
     data = cap.data
     notes: list[str] = version_notes(cap)
@@ -322,11 +321,8 @@ def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str 
     it, and the first rank whose batch gives a non-finite value is the step diagnosed (none: the rank the
     run itself named). ``extra`` (filled in): the ranks replayed, for the report."""
     caps, state = sharded.read_dir(path, read)
-    target = loaded.target
-    module = target.model
-    where = str(path)
+    module, live, where = loaded.target.model, loaded.target.optimizers, str(path)
     saved = state.get("optimizers") or {}
-    live = target.optimizers
     for cap in caps:
         check_model(cap, module)
         data = cap.data

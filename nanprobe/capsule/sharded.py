@@ -55,8 +55,8 @@ def wanted(model: torch.nn.Module, world_size: int, optimizers: list[Any] = ()) 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return type(model).__name__ == "DistributedDataParallel" or sharded(unwrap(model)) or fsdp1_root(model) is not None \
-        or replicated(unwrap(model), optimizers)
+    return type(model).__name__ == "DistributedDataParallel" or sharded(unwrap(model)) \
+        or fsdp1_root(model) is not None or replicated(unwrap(model), optimizers)
 
 
 def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
@@ -207,7 +207,7 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         kept = {q: v for q, v in attrs.items() if not isinstance(v, torch.Tensor) or _intact(v)}
         dropped += [f"carried {q} (a view of freed memory)" for q in attrs if q not in kept]
         own["carried"] = dict(own["carried"], attrs=kept)
-    if fsdp1_root(model) is not None:   # its parameters are flat shards: the original names and full shapes, as the state holds them
+    if fsdp1_root(model) is not None:   # flat shards: the original names and full shapes, as the state holds them
         buffers = {_clean(n) for n, _ in model.named_buffers()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)   # ShardedTensor's deprecation: FSDP1 state dicts use it

@@ -15,7 +15,7 @@ from ..reach.entry import Loaded, load_target
 from ..base.errors import UsageError
 from ..locate.instrument import Event, Probe
 from ..base.precision import Precision, describe_device, device_of, emulate_fp16_matmuls
-from ..reach.replay import NoBadStep, Reached, reach
+from ..reach.replay import NoBadStep, Reached, reach, storage_policy
 from ..base.report import Phase, Status
 from ..locate.rerun import run_step
 from ..reach.state import StoragePolicy, borrows_globals
@@ -168,7 +168,6 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
 
 def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, names: tuple[str, ...], k: int,
              progress: Callable[[str], None]) -> Comparison:
-    from ..reach.replay import storage_policy
     ccfg = cfg.compare
     target = loaded.target
     cmp = _Comparer(loaded, reached, ccfg, progress, storage=storage_policy(cfg.replay))
