@@ -5,6 +5,7 @@ Format 2 is what the package docstring lists; format 1 capsules (one batch, one 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import os
@@ -316,12 +317,9 @@ def prune(capsules: list[Path], limit: int, may_delete: Callable[[Path], bool] =
         if old.is_dir():   # a sharded capsule's directory (every rank may get here: missing files are fine)
             if sharded.DIR_NAME.match(old.name):
                 shutil.rmtree(old, ignore_errors=True)
-            continue
-        if may_delete(old):
-            try:
+        elif may_delete(old):
+            with contextlib.suppress(OSError):
                 old.unlink()
-            except OSError:
-                pass
 
 
 def carried_attrs(carried: Mapping[str, Any]) -> dict[str, Any]:
