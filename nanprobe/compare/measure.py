@@ -173,32 +173,26 @@ class _Capture:
         absmax, nonfinite = self._stats(t)
         nought = torch.zeros((), dtype=torch.float64, device=t.device)
         diff2 = ref2 = under = count = nought
-        compared = False
         store = self.store
+        ref = None if self.reference else (store.outputs if kind == "out" else store.grad_masks).get(key)
+        compared = self.reference or (ref is not None and ref.shape == t.shape)
         if self.reference:
             if kind == "out":
-                kept = self._ref_by_id.get(ident) if ident is not None else None
+                kept = self._ref_by_id.get(ident)
                 if kept is None and store.fits(t, 4):
-                    kept = t.to(torch.float32, copy=True)
-                    self._ref_by_id[ident] = kept
+                    kept = self._ref_by_id[ident] = t.to(torch.float32, copy=True)
                 if kept is not None:
                     store.outputs[key] = kept
-                ref2 = torch.linalg.vector_norm(t, dtype=torch.float64).square()
-                store.ref2[key] = ref2
+                ref2 = store.ref2[key] = torch.linalg.vector_norm(t, dtype=torch.float64).square()
             elif store.fits(t, 1):
                 store.grad_masks[key] = t.abs() >= _FLOOR
-            compared = True
-        else:
-            ref = (store.outputs if kind == "out" else store.grad_masks).get(key)
-            if ref is not None and ref.shape == t.shape:
-                if kind == "out":
-                    d = t.float() - ref
-                    diff2 = torch.linalg.vector_norm(d, dtype=torch.float64).square()
-                    ref2 = store.ref2.get(key, nought)
-                if self.narrow:   # zero or subnormal in its own dtype where the reference is not
-                    under, count = _underflow(t, ref if kind == "out" else None, None if kind == "out" else ref,
-                                              torch.finfo(t.dtype).tiny)
-                compared = True
+        elif compared:
+            if kind == "out":
+                diff2 = torch.linalg.vector_norm(t.float() - ref, dtype=torch.float64).square()
+                ref2 = store.ref2.get(key, nought)
+            if self.narrow:   # zero or subnormal in its own dtype where the reference is not
+                under, count = _underflow(t, ref if kind == "out" else None, None if kind == "out" else ref,
+                                          torch.finfo(t.dtype).tiny)
         self._row(kind, key[0], unique, t, compared, [absmax, nonfinite, diff2, ref2, under, count, nought, nought])
 
     def _row(self, kind: str, module: str, unique: bool, t: torch.Tensor, compared: bool, values: list) -> None:
@@ -225,34 +219,30 @@ class _Capture:
         for (name, g), n2 in zip(named, norms):
             module = name.rpartition(".")[0] or ROOT
             absmax, nonfinite = self._stats(g)
+            slot = None if self.reference else store.grads.get(name)
+            compared = self.reference or (slot is not None and slot.shape == g.shape)
             if self.reference:
                 r2 = n2.double().square()
                 row = [absmax, nonfinite, nought, r2, nought, nought, r2, r2]
-                compared = True
+            elif not compared:
+                row = [absmax, nonfinite] + [nought] * 6
             else:
-                slot = store.grads.get(name)
-                compared = slot is not None and slot.shape == g.shape
-                if not compared:
-                    row = [absmax, nonfinite] + [nought] * 6
-                else:
-                    key = (g.device, g.numel())
-                    buf = scratch.get(key)
-                    if buf is None:
-                        buf = scratch[key] = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
-                    r = buf.view(g.shape)
-                    slot.copy_into(r)                       # the reference gradient (float32)
-                    gu = g.float() if self.scale == 1.0 else g.float() / self.scale
-                    r2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
-                    dot = torch.dot(gu.reshape(-1), r.reshape(-1)).double()
-                    sq = (n2.double() / self.scale).square()
-                    # an fp32 gradient of an fp16 run underflowed where it is 0, or subnormal in fp16 and
-                    # exactly representable there (it came through fp16); elsewhere: 0 or subnormal in its dtype
-                    under = count = nought
-                    if self.narrow:
-                        under, count = _underflow(g, r, None, tiny, through=self.low if g.dtype != self.low else None)
-                    r.sub_(gu)
-                    diff2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
-                    row = [absmax, nonfinite, diff2, r2, under, count, dot, sq]
+                if (key := (g.device, g.numel())) not in scratch:
+                    scratch[key] = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+                r = scratch[key].view(g.shape)
+                slot.copy_into(r)                       # the reference gradient (float32)
+                gu = g.float() if self.scale == 1.0 else g.float() / self.scale
+                r2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
+                dot = torch.dot(gu.reshape(-1), r.reshape(-1)).double()
+                sq = (n2.double() / self.scale).square()
+                # an fp32 gradient of an fp16 run underflowed where it is 0, or subnormal in fp16 and
+                # exactly representable there (it came through fp16); elsewhere: 0 or subnormal in its dtype
+                under = count = nought
+                if self.narrow:
+                    under, count = _underflow(g, r, None, tiny, through=self.low if g.dtype != self.low else None)
+                r.sub_(gu)
+                diff2 = torch.linalg.vector_norm(r, dtype=torch.float64).square()
+                row = [absmax, nonfinite, diff2, r2, under, count, dot, sq]
             self._row("param", module, True, g, compared, row)
 
     def finish(self) -> _Measured:
