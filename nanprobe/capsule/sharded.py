@@ -20,6 +20,7 @@ batch is replayed in turn to find the rank whose batch gives the first non-finit
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -328,13 +329,10 @@ def state_bytes(path: str | os.PathLike) -> int:
 
 def available_bytes() -> int | None:
     """Host memory available now (Linux /proc/meminfo MemAvailable), else None."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 

@@ -379,9 +379,9 @@ class _OpProbe(TorchDispatchMode):
 class _OriginProbe:
     """The origin op of a non-finite precision, seen again in the reference (and there)."""
 
-    would_reach: float | None           # the reference's largest |output| of that op
-    zeros: tuple[int, int] | None       # zeros among its inputs: here, in the reference
-    underflow: float | None             # input elements >= floor in the reference, zero/subnormal here
+    would_reach: float | None = None    # the reference's largest |output| of that op
+    zeros: tuple[int, int] | None = None  # zeros among its inputs: here, in the reference
+    underflow: float | None = None      # input elements >= floor in the reference, zero/subnormal here
     explains: float | None = None       # share of its non-finite outputs whose input underflowed
 
 

@@ -100,14 +100,14 @@ class _Comparer:
                           node=event.node)
             self._step(ref_name, instrument=True, probe=probe, tolerate_errors=True, update=False, ratios=False,
                        phases=frozenset({Phase.FORWARD, Phase.BACKWARD}))
-            return _OriginProbe(would_reach=probe.out_absmax * run.scale, zeros=None, underflow=None) \
-                if probe.found and probe.out_absmax is not None else None
+            found = probe.found and probe.out_absmax is not None
+            return _OriginProbe(would_reach=probe.out_absmax * run.scale) if found else None
         ref = self._op_inputs(ref_name, None, event)
         if ref.inputs is None:
             return None
         here = self._op_inputs(name, run.scale, event)
         if here.inputs is None:
-            return _OriginProbe(would_reach=ref.out_absmax, zeros=None, underflow=None)
+            return _OriginProbe(would_reach=ref.out_absmax)
         return _input_underflow(here, ref)
 
     def _op_inputs(self, name: str, scale: float | None, event: Event) -> _OpProbe:

@@ -11,7 +11,7 @@ from ..pipeline.diagnose import origin_of
 from .measure import ROOT, _bits, _dtype_max, _Measured, _OriginProbe, _pct, _pow2, _Run
 from .records import _PREFERENCE, _RUNS, CHOICES, LayerRow, LayerStat, PrecisionRun, Ranked, ScalerResult
 
-_NO_PROBE = _OriginProbe(would_reach=None, zeros=None, underflow=None)
+_NO_PROBE = _OriginProbe()
 
 
 def _least(*values: float | None) -> float | None:
@@ -99,12 +99,11 @@ def _extreme(m: _Measured, kind: str) -> tuple[float | None, str | None, str | N
 def _layers(runs: dict[str, _Run], ref_name: str, results: dict[str, PrecisionRun]) -> tuple[LayerRow, ...]:
     order = list(dict.fromkeys(n for run in (runs[ref_name], *runs.values()) if run.measured is not None
                                for n in run.measured.order))   # the reference's forward order, then the rest
-    ref_mods = runs[ref_name].measured.modules
     total_ref2 = runs[ref_name].measured.totals["param"].ref2
     rows = []
     for i, module in enumerate(order):
         stats = {}
-        ref_aggs = ref_mods.get(module, {})
+        ref_aggs = runs[ref_name].measured.modules.get(module, {})
         for name, run in runs.items():
             aggs = run.measured.modules.get(module) if run.measured is not None else None
             if not aggs:
@@ -126,10 +125,8 @@ def _layers(runs: dict[str, _Run], ref_name: str, results: dict[str, PrecisionRu
                 side[kind] = (agg, dtype, would,
                               _bits(dtype, would if would is not None else agg.absmax if agg else None))
             (out, dtype, out_would, out_bits), (grad, _, grad_would, grad_bits) = side["out"], side["grad"]
-            param = aggs.get("param")
-            pg = None
-            if param is not None and name != ref_name and param.ref2 >= 1e-12 * total_ref2:
-                pg = param.rel_err  # modules with a negligible reference gradient carry no signal: left out
+            param = aggs.get("param")   # modules with a negligible reference gradient carry no signal: left out
+            pg = param.rel_err if param is not None and name != ref_name and param.ref2 >= 1e-12 * total_ref2 else None
             stats[name] = LayerStat(
                 dtype=dtype, out_absmax=out.absmax if out else None, out_finite=not (out and out.nonfinite),
                 out_rel_err=None if name == ref_name or not out else out.rel_err,
@@ -149,13 +146,12 @@ def _rank(layers: tuple[LayerRow, ...], ref_name: str, k: int, results: dict[str
 
     def add(table: list, key: float, order: int, name: str, module: str, value: float, detail: str) -> None:
         table.append((key, order, Ranked(precision=name, module=module, value=value, detail=detail)))
-    known = {row.module for row in layers}
+    orders = {row.module: row.order for row in layers}
     for name, r in results.items():  # a forward origin names its module; the modules after it inherit
         o = r.origin if r.ran and not r.finite else None
-        if o is not None and o.phase is Phase.FORWARD and o.module in known:
+        if o is not None and o.phase is Phase.FORWARD and o.module in orders:
             origin_listed.add(name)
-            order = next(row.order for row in layers if row.module == o.module)
-            add(least, -math.inf, order, name, o.module, math.inf, f"output non-finite (origin: {o.op})")
+            add(least, -math.inf, orders[o.module], name, o.module, math.inf, f"output non-finite (origin: {o.op})")
     for row in layers:
         for name, s in row.stats.items():
             if name == ref_name:
