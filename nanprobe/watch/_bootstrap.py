@@ -56,13 +56,11 @@ def _chain(here: str) -> None:
 
 
 class _TorchLoader:
-    """torch's own loader; once torch's module has run, :func:`_on_torch`."""
+    """torch's own loader (its other methods through ``__getattr__``); once torch's module has run,
+    :func:`_on_torch`."""
 
     def __init__(self, loader):
         self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)

@@ -12,6 +12,15 @@ from typing import Any
 from ..live import Stopped, resolve_config
 
 
+def log_to_stderr(log: logging.Logger) -> logging.Handler:
+    """The Watcher's lines on stderr, one message a line, as under the CLI (not propagated further up)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    return handler
+
+
 class _Notify(logging.Handler):
     """Calls back after each line the Watcher logs (a bad step): the bootstrap rewrites the process's row,
     so a rank the launcher kills (SIGTERM: no ``atexit``) still shows its bad steps."""
@@ -34,16 +43,12 @@ def start_watcher(settings: dict[str, Any], on_event: Callable[[], None] | None 
 
     log = logging.getLogger("nanprobe.watch")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
+        log_to_stderr(log)
     if on_event is not None:
         log.addHandler(_Notify(on_event))
-    cfg = resolve_config(settings.get("config"), "nanprobe watch")
-    watcher = Watcher(config=cfg, policy=settings.get("policy", "skip"),
-                      dirpath=settings.get("dirpath", "nanprobe-reports"), entry=settings.get("entry"),
-                      max_reports=int(settings.get("max_reports", 1)))
+    watcher = Watcher(config=resolve_config(settings.get("config"), "nanprobe watch"),
+                      policy=settings.get("policy", "skip"), dirpath=settings.get("dirpath", "nanprobe-reports"),
+                      entry=settings.get("entry"), max_reports=int(settings.get("max_reports", 1)))
     watcher.__enter__()
     return watcher
 
@@ -74,4 +79,4 @@ def watcher_row(watcher) -> dict[str, Any]:
             "notes": list(watcher.notes), "error": None, "rank": rank, "world_size": world}
 
 
-__all__ = ["start_watcher", "finish_watcher", "watcher_row"]
+__all__ = ["start_watcher", "finish_watcher", "watcher_row", "log_to_stderr"]

@@ -9,6 +9,7 @@ which the parent reads back (:func:`read_rows`) into the ``processes`` of its ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,7 +21,6 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..base.config import Config
 from ..base.errors import UsageError
@@ -65,22 +65,8 @@ def is_python(exe: str) -> bool:
 def follows(command: Sequence[str]) -> bool:
     """The command is run as a subprocess whose Python children are followed: anything but ``python
     SCRIPT`` / ``python -m MODULE`` (those run in-process), and ``python -m`` of a known launcher."""
-
     argv = list(command)
-    if not argv:
-        return False
-    if not is_python(argv[0]):
-        return True
-    return len(argv) > 2 and argv[1] == "-m" and argv[2] in LAUNCHER_MODULES
-
-
-# -- in the child: the Watcher ----------------------------------------------------------------------------
-
-def settings_for(*, cfg: Config, policy: str, dirpath: str | os.PathLike, entry: str | None,
-                 max_reports: int) -> dict[str, Any]:
-    """The watch settings every child reads (``NANPROBE_WATCH``): plain JSON."""
-    return {"policy": policy, "dirpath": str(Path(dirpath).resolve()), "entry": entry, "max_reports": max_reports,
-            "config": dataclasses.asdict(cfg), "path": str(Path(__file__).resolve().parents[2])}
+    return bool(argv) and (not is_python(argv[0]) or len(argv) > 2 and argv[1] == "-m" and argv[2] in LAUNCHER_MODULES)
 
 
 # -- in the parent: run the command, read the rows --------------------------------------------------------
@@ -91,14 +77,13 @@ def read_rows(folder: str | os.PathLike) -> tuple[ProcessRow, ...]:
     for path in Path(folder).glob("process-*.json"):
         try:
             data = json.loads(path.read_text())
-            events = tuple(HookEvent(**e) for e in data.get("events", []))
-            row = ProcessRow(pid=int(data["pid"]), rank=data.get("rank"), world_size=data.get("world_size"),
-                             steps=int(data.get("steps", 0)), events=events, exit=data.get("exit"),
-                             error=data.get("error"), root=data.get("root"), argv=tuple(data.get("argv", ())),
-                             notes=tuple(data.get("notes", ())), own_watch=bool(data.get("own_watch")))
+            rows.append(ProcessRow(pid=int(data["pid"]), rank=data.get("rank"), world_size=data.get("world_size"),
+                                   steps=int(data.get("steps", 0)), exit=data.get("exit"), error=data.get("error"),
+                                   events=tuple(HookEvent(**e) for e in data.get("events", [])),
+                                   root=data.get("root"), argv=tuple(data.get("argv", ())),
+                                   notes=tuple(data.get("notes", ())), own_watch=bool(data.get("own_watch"))))
         except (OSError, ValueError, KeyError, TypeError):   # not a row this nanprobe wrote
             continue
-        rows.append(row)
     return tuple(sorted(rows, key=lambda r: (r.rank if r.rank is not None else -1, r.pid)))
 
 
@@ -106,25 +91,25 @@ def _wait(proc: subprocess.Popen) -> int:
     """Wait for the command; Ctrl-C reaches it through the terminal (its process group), SIGTERM is
     passed on. A command killed by signal N exits 128 + N, as a shell says."""
     previous = None
-    try:
+    with contextlib.suppress(ValueError):   # not the main thread
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
-    except ValueError:   # not the main thread
-        pass
     try:
         while True:
-            try:
+            with contextlib.suppress(KeyboardInterrupt):
                 code = proc.wait()
                 break
-            except KeyboardInterrupt:
-                continue
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 128 - code if code < 0 else code
 
 
-def run_command(command: Sequence[str], settings: dict[str, Any]) -> tuple[int, tuple[ProcessRow, ...]]:
-    """Run the command with the bootstrap in its environment; its exit code and the processes' rows."""
+def run_command(command: Sequence[str], *, cfg: Config, policy: str, dirpath: str | os.PathLike, entry: str | None,
+                max_reports: int) -> tuple[int, tuple[ProcessRow, ...]]:
+    """Run the command with the bootstrap in its environment, the watch settings every child reads
+    (``NANPROBE_WATCH``) as plain JSON; its exit code and the processes' rows."""
+    settings = {"policy": policy, "dirpath": str(Path(dirpath).resolve()), "entry": entry, "max_reports": max_reports,
+                "config": dataclasses.asdict(cfg), "path": str(Path(__file__).resolve().parents[2])}
     global followed
     followed += 1
     run = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
@@ -132,10 +117,8 @@ def run_command(command: Sequence[str], settings: dict[str, Any]) -> tuple[int, 
         boot = run / "bootstrap"
         boot.mkdir()
         shutil.copyfile(Path(__file__).with_name("_bootstrap.py"), boot / "sitecustomize.py")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(boot), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-        env[RUN_ENV] = str(run)
-        env[SETTINGS_ENV] = json.dumps(settings)
+        env = dict(os.environ, **{RUN_ENV: str(run), SETTINGS_ENV: json.dumps(settings)})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(boot), env.get("PYTHONPATH")]))
         try:
             proc = subprocess.Popen(list(command), env=env)
         except FileNotFoundError:
@@ -145,10 +128,9 @@ def run_command(command: Sequence[str], settings: dict[str, Any]) -> tuple[int, 
         except PermissionError:
             raise UsageError(f"command {command[0]!r} is not executable", "nanprobe watch",
                              "Check the command after --") from None
-        code = _wait(proc)
-        return code, read_rows(run)
+        return _wait(proc), read_rows(run)
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
 
-__all__ = ["ProcessRow", "LAUNCHER_MODULES", "follows", "is_python", "run_command", "read_rows", "settings_for"]
+__all__ = ["ProcessRow", "LAUNCHER_MODULES", "follows", "is_python", "run_command", "read_rows"]
