@@ -116,20 +116,16 @@ def record_json(record: StepRecord | None, *, weights_nonfinite: bool) -> dict[s
 
 
 def _same_argv(a: Sequence[str] | None, b: Sequence[str]) -> bool:
-    if not a or not b or len(a) != len(b):
-        return False
-    return os.path.realpath(a[0]) == os.path.realpath(b[0]) and list(a[1:]) == list(b[1:])
+    return bool(a) and bool(b) and len(a) == len(b) and os.path.realpath(a[0]) == os.path.realpath(b[0]) \
+        and list(a[1:]) == list(b[1:])
 
 
 def find_run(dirpath: str | os.PathLike, step: int, script_argv: Sequence[str], command: Sequence[str] = ()
              ) -> tuple[Path, dict[str, Any], dict[str, Any] | None] | None:
     """The newest record of a watched run of this script with these arguments in ``dirpath`` that saw step
     ``step`` bad (else the newest of any such run, with None for the step): (path, record, the step's entry)."""
-    folder = Path(dirpath)
-    if not folder.is_dir():
-        return None
     fallback = None
-    for path in sorted(folder.glob(f"*{RUN_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True):
+    for path in sorted(Path(dirpath).glob(f"*{RUN_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True):
         data = read_run_record(path)
         if data is None or not (_same_argv(data.get("argv"), script_argv)
                                               or command and data.get("command") == list(command)):

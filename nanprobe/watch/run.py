@@ -14,7 +14,7 @@ from typing import Any
 
 from ..base.errors import UsageError
 from ..live import HookEvent, Stopped, check_policy, resolve_config, shown
-from .launch import ProcessRow, follows, is_python, run_command, settings_for
+from .launch import ProcessRow, follows, is_python, run_command
 from .watcher import POLICIES, Watcher
 
 
@@ -61,13 +61,9 @@ def _plural(n: int, word: str) -> str:
 
 def _ranks(rows: Sequence[ProcessRow]) -> str:
     ranks = sorted({r.rank for r in rows if r.rank is not None})
-    if not ranks:
-        return ""
-    if len(ranks) == 1:
-        return f" (rank {ranks[0]})"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f" (ranks {ranks[0]}-{ranks[-1]})"
-    return f" (ranks {', '.join(map(str, ranks))})"
+    return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks else ""
 
 
 def _processes_summary(result: WatchResult) -> str:
@@ -115,9 +111,8 @@ def parse_command(argv: Sequence[str]) -> tuple[str, str, list[str]]:
     if not argv:
         raise UsageError("no command to watch", "nanprobe watch", "Give it after --: nanprobe watch -- python "
                                                                    "train.py ARGS")
-    exe = argv[0]
-    if not is_python(exe):
-        raise UsageError(f"{exe!r} is not a Python interpreter", "nanprobe watch",
+    if not is_python(argv[0]):
+        raise UsageError(f"{argv[0]!r} is not a Python interpreter", "nanprobe watch",
                          "Watch a Python script: nanprobe watch -- python train.py ARGS (or python -m pkg.train); "
                          "a launcher's processes: nanprobe watch -- torchrun ... train.py")
     rest = argv[1:]
@@ -174,12 +169,11 @@ def no_json_dash(json_out: str | os.PathLike | None) -> None:
 
 
 def _exit_code(code: Any) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
+    """``sys.exit(code)``'s exit status, as Python's: a code that is not a number is printed, status 1."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        return 1
+    return code or 0
 
 
 def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, policy: str = "skip",
@@ -203,39 +197,43 @@ def watch(command: Sequence[str], *, json_out: str | os.PathLike | None = None, 
     if isinstance(max_reports, bool) or not isinstance(max_reports, int) or max_reports < 0:
         raise UsageError(f"--max-reports {max_reports!r}", "nanprobe watch",
                          "Give the number of bad steps to diagnose in-process (0: none, only capsules)")
-    if launched:
-        return _watch_launched(command, json_out=json_out, settings=settings_for(
-            cfg=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports))
+    if launched:   # the command as a subprocess, its Python processes followed (nanprobe.watch.launch)
+        code, rows = run_command(command, cfg=cfg, policy=policy, dirpath=dirpath, entry=entry,
+                                 max_reports=max_reports)
+        events = tuple(sorted((e for r in rows for e in r.events), key=lambda e: (e.step, e.rank)))
+        return WatchResult(argv=tuple(command), exit_code=code, steps=sum(r.steps for r in rows), events=events,
+                           root=next((r.root for r in rows if r.root), None),
+                           json=_copy_report(json_out, _first_report(events)),
+                           notes=tuple(dict.fromkeys(n for r in rows for n in r.notes)), processes=rows)
     from .record import start_state
     watcher = Watcher(config=cfg, policy=policy, dirpath=dirpath, entry=entry, max_reports=max_reports,
                       argv=command, start=start_state())
     code = 0
     error = None
-    with _script_environment(kind, target, args):
-        with watcher:
+    with _script_environment(kind, target, args), watcher:
+        try:
+            run_script(kind, target)
+        except SystemExit as exc:
+            code = _exit_code(exc.code)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = 130
+        except Stopped as exc:
+            error = exc.message
+            code = 1
+        except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
+            error, code = print_error(exc), 1
+        finally:
             try:
-                run_script(kind, target)
-            except SystemExit as exc:
-                code = _exit_code(exc.code)
-            except KeyboardInterrupt:
-                traceback.print_exc()
-                code = 130
+                watcher.finish_at_exit()
             except Stopped as exc:
-                error = exc.message
-                code = 1
-            except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
-                error, code = print_error(exc), 1
-            finally:
-                try:
-                    watcher.finish_at_exit()
-                except Stopped as exc:
-                    error = error or exc.message
-                    code = code or 1
-    root = type(watcher.root).__name__ if watcher.root is not None else None
+                error = error or exc.message
+                code = code or 1
     return WatchResult(argv=tuple(command), exit_code=code, steps=watcher.steps, events=tuple(watcher.events),
                        handwritten=watcher.handwritten, unseen=tuple(short for short, _ in watcher.unseen()),
-                       root=root, json=_copy_report(json_out, watcher.events[0] if watcher.events else None),
-                       error=error, notes=tuple(watcher.notes))
+                       root=type(watcher.root).__name__ if watcher.root is not None else None, error=error,
+                       json=_copy_report(json_out, watcher.events[0] if watcher.events else None),
+                       notes=tuple(watcher.notes))
 
 
 def _copy_report(json_out: str | os.PathLike | None, event: HookEvent | None) -> str | None:
@@ -249,17 +247,6 @@ def _copy_report(json_out: str | os.PathLike | None, event: HookEvent | None) ->
 def _first_report(events: Sequence[HookEvent]) -> HookEvent | None:
     """The first bad step's report, of the rank that saw it (the others skipped the step with it)."""
     return next((e for e in events if e.report and e.local), next((e for e in events if e.report), None))
-
-
-def _watch_launched(command: Sequence[str], *, json_out: str | os.PathLike | None,
-                    settings: dict[str, Any]) -> WatchResult:
-    """The command as a subprocess, its Python processes followed (nanprobe.watch.launch)."""
-    code, rows = run_command(command, settings)
-    events = tuple(sorted((e for r in rows for e in r.events), key=lambda e: (e.step, e.rank)))
-    return WatchResult(argv=tuple(command), exit_code=code, steps=sum(r.steps for r in rows), events=events,
-                       root=next((r.root for r in rows if r.root), None),
-                       json=_copy_report(json_out, _first_report(events)),
-                       notes=tuple(dict.fromkeys(n for r in rows for n in r.notes)), processes=rows)
 
 
 __all__ = ["watch", "WatchResult", "parse_command", "is_python"]
