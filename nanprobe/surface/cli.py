@@ -107,20 +107,18 @@ def handles_errors(fn):
         except KeyboardInterrupt:
             print("nanprobe: interrupted (nothing was written).", file=sys.stderr)
             raise typer.Exit(EXIT_INTERRUPTED) from None
-        except NanprobeError as err:
+        except Exception as err:  # noqa: BLE001 - not a NanprobeError: a bug in nanprobe
             if debug:
                 traceback.print_exc()
-            print(f"nanprobe: error: {err.message}", file=sys.stderr)
-            _error_json(fn.__name__, kwargs, err.message, err.exit_code)
-            raise typer.Exit(err.exit_code) from None
-        except Exception as err:  # noqa: BLE001 - a bug in nanprobe
-            if debug:
-                traceback.print_exc()
-            line = f"internal error: {type(err).__name__}: {err}. This is a bug in nanprobe; rerun with --debug " \
-                   "and report the output"
-            print(f"nanprobe: {line}.", file=sys.stderr)
-            _error_json(fn.__name__, kwargs, line, EXIT_INTERNAL)
-            raise typer.Exit(EXIT_INTERNAL) from None
+            if isinstance(err, NanprobeError):
+                line, code, shown = err.message, err.exit_code, f"nanprobe: error: {err.message}"
+            else:
+                line = f"internal error: {type(err).__name__}: {err}. This is a bug in nanprobe; rerun with " \
+                       "--debug and report the output"
+                code, shown = EXIT_INTERNAL, f"nanprobe: {line}."
+            print(shown, file=sys.stderr)
+            _error_json(fn.__name__, kwargs, line, code)
+            raise typer.Exit(code) from None
 
     return wrapper
 
@@ -167,11 +165,13 @@ def _call(fn, json_out: str | None, progress, *args, **kwargs):
             progress.stop()
 
 
-def _finish(result, json_out: str | None, render) -> None:
-    """Render (unless ``--json -``), write the JSON, exit with the result's code."""
+def _finish(result, json_out: str | None, render, then=None) -> None:
+    """Render (unless ``--json -``), write the JSON, ``then()``, exit with the result's code."""
     if json_out != "-":
         render()
     emit_json(result.to_json(), json_out)
+    if then is not None:
+        then()
     raise typer.Exit(result.exit_code)
 
 
@@ -189,7 +189,7 @@ def _same_stream() -> bool:
         a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         return sys.stdout is sys.stderr
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    return os.path.samestat(a, b)
 
 
 def progress_printer(json_out: str | None, every: float = 10.0):
@@ -283,12 +283,8 @@ def smoke_cmd(entry: EntryArg, steps: StepsOpt = 20, precision: PrecisionOpt = N
         if junit is not None:
             write_junit(junit, None, entry=entry, error=err.message)
         raise
-    if json_out != "-":
-        render_smoke(result, console(), verbose=verbose)
-    emit_json(result.to_json(), json_out)
-    if junit is not None:
-        write_junit(junit, result)
-    raise typer.Exit(result.exit_code)
+    _finish(result, json_out, lambda: render_smoke(result, console(), verbose=verbose),
+            None if junit is None else functools.partial(write_junit, junit, result))
 
 
 PrecisionsOpt = Annotated[Optional[str], typer.Option(
@@ -416,16 +412,18 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
     """
     import logging
 
-    if at is not None:
-        _watch_at(command or [], at, dirpath, json_out, config)
-
+    if at is not None:   # the report of step N rendered after the script's output; its exit code
+        from ..watch.at import watch_at
+        from .render import render_report
+        at_result = watch_at(command or [], at, dirpath=dirpath, json_out=json_out, config=load_config(config))
+        render_report(at_result.report, console())
+        print(at_result.summary(), file=sys.stderr)
+        raise typer.Exit(at_result.exit_code)
     from ..watch import watch
+    from ..watch.child import log_to_stderr
     cfg = load_config(config)
     log = logging.getLogger("nanprobe.watch")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.propagate = False
+    handler = log_to_stderr(log)
     started = time.monotonic()
     try:
         result = watch(command or [], json_out=json_out, policy=policy, config=cfg, dirpath=dirpath, entry=entry,
@@ -439,39 +437,21 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
     print(result.summary(), file=sys.stderr)
     if explain is not False and result.processes is None:   # one process: --at re-executes it
         from ..watch.at import explain as explain_steps
-        from ..watch.at import explain_line
-        step, line = explain_line(result.events, result.steps, seconds, math.inf if explain else
-                                  cfg.watch.explain_budget, command or [], dirpath)
-        if step is not None:
-            print(f"nanprobe watch: step {step} was not located in-process: re-executing the script to step {step} "
-                  "to explain it (--no-explain skips this)", file=sys.stderr)
-            line, _ = explain_steps(result.events, command or [], dirpath=dirpath, config=config,
-                                    json_out=json_out, seconds=seconds, step=step)
-        if line:
-            print(line, file=sys.stderr)
+        explain_steps(result.events, command or [], functools.partial(print, file=sys.stderr), steps=result.steps,
+                      seconds=seconds, budget=math.inf if explain else cfg.watch.explain_budget, dirpath=dirpath,
+                      config=config, json_out=json_out)
     raise typer.Exit(result.exit_code)
 
 
-def _watch_at(command: list[str], at: int, dirpath: Path, json_out: str | None, config: Path | None) -> None:
-    """``nanprobe watch --at N``: the report of step N rendered after the script's output; its exit code."""
-    from .render import render_report
-    from ..watch.at import watch_at
-    result = watch_at(command, at, dirpath=dirpath, json_out=json_out, config=load_config(config))
-    render_report(result.report, console())
-    print(result.summary(), file=sys.stderr)
-    raise typer.Exit(result.exit_code)
-
-
-def _check_precision(precision: str | None, allowed=("fp32", "bf16", "fp16")) -> None:
+def _check_precision(precision: str | None) -> None:
     if precision is None:
         return
     from ..base.precision import parse_precision
-    try:
-        p = parse_precision(precision)
-    except ValueError:
-        p = None
-    if p is None or p.value not in allowed:
-        raise UsageError(f"unknown precision {precision!r}", "--precision", f"Use one of: {', '.join(allowed)}")
+    allowed = ("fp32", "bf16", "fp16")
+    with contextlib.suppress(ValueError):
+        if parse_precision(precision).value in allowed:
+            return
+    raise UsageError(f"unknown precision {precision!r}", "--precision", f"Use one of: {', '.join(allowed)}")
 
 
 def _version(value: bool) -> None:

@@ -22,7 +22,7 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,9 @@ from ..reach.replay import Reached, scheduler_info
 from ..base.report import (Cause, Fidelity, Finding, Phase, PrecisionResult, Report, Status, StepRecord, _num, dumps,
                       write_new)
 from .armed import OUTSIDE, Done, StepHooks
+from .launch import follows
 from .record import DEFAULT_DIR, at_command, find_run, restore_start_state
+from .run import _script_environment, no_json_dash, parse_command, print_error, run_script
 
 # -- the result ------------------------------------------------------------------------------------------
 
@@ -53,7 +55,6 @@ class AtResult:
     report: Report
     path: Path | None              # the JSON report written in --dir
     json: str | None = None        # --json OUT
-    steps: int = 0                 # optimizer steps the rerun reached
     reproduced: bool | None = None
 
     @property
@@ -77,11 +78,9 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
              json_out: str | os.PathLike | None = None, config: Config | None = None) -> AtResult:
     """Re-execute ``python train.py ARGS`` in this process and explain its optimizer step ``at``
     (see the module docstring). The script's output goes where it would; it is stopped after step ``at``."""
-    from .run import _script_environment, no_json_dash, print_error, parse_command, run_script
     if isinstance(at, bool) or not isinstance(at, int) or at < 0:
         raise UsageError(f"--at {at!r}", "nanprobe watch", "Give the optimizer step to explain (0, 1, ...), "
                                                            "as watch's log line numbers it")
-    from .launch import follows
     if command and follows(command):
         raise UsageError(f"--at with {' '.join(command[:3])!r}: --at re-executes one Python process, not a launcher's ranks",
                          "nanprobe watch --at", "Replay the bad rank's capsule instead: nanprobe run ENTRY --capsule "
@@ -92,7 +91,6 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
     script_argv = [target, *args]
     found = find_run(dirpath, at, script_argv, command)
     notes: list[str] = []
-    expected: dict[str, Any] | None = None
     skipped: list[int] = []
     first: dict[str, Any] = {}
     restored: list[str] = []
@@ -102,6 +100,7 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
                      "first, with the same --dir)")
     else:
         run_path, run, entry_ = found
+        first = entry_ or {}
         skipped = [int(s) for s in run.get("skipped", []) if int(s) < at]
         state = run.get("start_state")
         if isinstance(state, dict):
@@ -109,30 +108,25 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
         else:
             notes.append(f"the watched run's record {run_path} holds no start state: Python random/numpy start as "
                          "in any fresh process")
-        if entry_ is None:
-            notes.append(f"the watched run ({run_path}) saw no bad step {at}: the rerun is not compared with it")
-        else:
-            expected = entry_.get("record")
-            first = entry_
-            notes.append(f"compared with the watched run's record {run_path}")
+        notes.append(f"compared with the watched run's record {run_path}" if entry_ is not None else
+                     f"the watched run ({run_path}) saw no bad step {at}: the rerun is not compared with it")
     # a functional model (the watched run called no module holding the optimizer's parameters)
-    hooks = StepHooks(at, skipped, functional=bool(first) and "root" in first and first["root"] is None)
+    hooks = StepHooks(at, skipped, functional="root" in first and first["root"] is None)
     script_error = None
-    with _script_environment(kind, target, args):
-        with hooks:
-            try:
-                run_script(kind, target)
-            except (Done, SystemExit):
-                pass
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
-                script_error = print_error(exc)
+    with _script_environment(kind, target, args), hooks:
+        try:
+            run_script(kind, target)
+        except (Done, SystemExit):
+            pass
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the script's own error, printed as Python does
+            script_error = print_error(exc)
     try:
         if hooks.arm_error is not None:
             raise RuntimeError(f"instrumenting step {at} failed: {type(hooks.arm_error).__name__}: "
                                f"{hooks.arm_error}") from hooks.arm_error
-        report, reproduced = _report(hooks, at, command, expected, first, cfg, notes, restored, script_error)
+        report, reproduced = _report(hooks, at, command, first, cfg, notes, restored, script_error)
     finally:
         if hooks.snapshot is not None:
             hooks.snapshot.release()
@@ -141,35 +135,27 @@ def watch_at(command: Sequence[str], at: int, *, dirpath: str | os.PathLike = DE
                      "skipped_before": skipped, "steps_reached": hooks.steps}
     stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     path = write_new(Path(dirpath), f"at-step{at:07d}-{stamp}-{os.getpid()}", data)
-    written = None
     if json_out is not None:
         Path(json_out).write_text(dumps(data) + "\n")
-        written = str(json_out)
-    return AtResult(report=report, path=path, json=written, steps=hooks.steps, reproduced=reproduced)
+    return AtResult(report=report, path=path, json=None if json_out is None else str(json_out),
+                    reproduced=reproduced)
 
 
 def _matches(expected: Any, got: float | None, rtol: float) -> bool:
     if expected is None or got is None:
         return True   # not measured on one side: nothing to compare
     a, b = float(expected), float(got)   # the record writes non-finite values as "nan", "inf", "-inf"
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return _num(a) == _num(b)
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-30) or math.isnan(a) and math.isnan(b)
 
 
-def _status_of(loss: float | None, norm: float | None, weights_ok: bool | None, skipped: bool) -> Status:
-    finite = (loss is None or math.isfinite(loss)) and (norm is None or math.isfinite(norm) or skipped)
-    return Status.NONFINITE if not finite or weights_ok is False else Status.FINITE
-
-
-def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[str, Any] | None,
-            first: dict[str, Any], cfg: Config, notes: list[str], restored: list[str],
-            script_error: str | None) -> tuple[Report, bool | None]:
+def _report(hooks: StepHooks, at: int, command: Sequence[str], first: dict[str, Any], cfg: Config,
+            notes: list[str], restored: list[str], script_error: str | None) -> tuple[Report, bool | None]:
     from ..pipeline.diagnose import _context, _event_json, autocast_policy, check_data, mark_masked, origin_of
     from ..base.precision import device_of
     from ..locate.rerun import StepTrace
 
     entry = shlex.join(command)
+    expected = first.get("record")   # the watched step's numbers (None: no record of it)
     first_status = Status(first["status"]) if first.get("status") in {s.value for s in Status} else None
     reason = first.get("reason")
     saw = [f"the watched run saw {reason} at step {at}"] if reason else []
@@ -206,7 +192,9 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
                       notes=(row, *notes)), None
     device = device_of(hooks.root)
     prec = hooks.loop.precision
-    status = _status_of(hooks.loss, hooks.norm, hooks.weights_finite, hooks.scaler_skipped)
+    finite = (hooks.loss is None or math.isfinite(hooks.loss)) and \
+        (hooks.norm is None or math.isfinite(hooks.norm) or hooks.scaler_skipped)
+    status = Status.NONFINITE if not finite or hooks.weights_finite is False else Status.FINITE
     rec = StepRecord(step=at, loss=hooks.loss, grad_norm=hooks.norm, lr=hooks.lr, update_ratio=None,
                      finite=status is Status.FINITE, skipped=hooks.scaler_skipped)
     got = {"loss": _num(hooks.loss), "grad_norm": _num(hooks.norm),
@@ -240,8 +228,7 @@ def _report(hooks: StepHooks, at: int, command: Sequence[str], expected: dict[st
     main = StepTrace(precision=prec, record=rec, trace=trace)
     if first_status is not None and first_status is not Status.FINITE:
         status = first_status if status is Status.FINITE or first_status is Status.NONFINITE else status
-    history = [StepRecord(step=h["step"], loss=_float(h.get("loss")), grad_norm=_float(h.get("grad_norm")),
-                          lr=_float(h.get("lr")), update_ratio=_float(h.get("update_ratio")),
+    history = [StepRecord(step=h["step"], **{k: _float(h.get(k)) for k in ("loss", "grad_norm", "lr", "update_ratio")},
                           finite=bool(h.get("finite", True)), skipped=bool(h.get("skipped", False)))
                for h in first.get("history", []) if isinstance(h, dict) and isinstance(h.get("step"), int)
                and h["step"] < at]   # the watched run's last steps before N
@@ -325,21 +312,29 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
     return None
 
 
-def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.PathLike = DEFAULT_DIR,
-            config: str | os.PathLike | None = None, json_out: str | os.PathLike | None = None,
-            seconds: float | None = None, step: int | None = None) -> tuple[str | None, Path | None]:
-    """After the watched run, the first bad step it did not locate is explained by ``nanprobe watch --at N``
-    in a fresh interpreter (the script starts as it did: its start state is restored from --dir). With
-    ``json_out`` (watch's --json), that file becomes the explained report, with a ``watch_explained`` section
-    (how, the in-process report it replaces). ``seconds``: the time it took the run to reach the step.
-    Returns the line for the summary and the --at report (None when nothing to do)."""
+def explain(events: Sequence[Any], command: Sequence[str], say: Callable[[str], Any], *, steps: int,
+            seconds: float, budget: float, dirpath: str | os.PathLike = DEFAULT_DIR,
+            config: str | os.PathLike | None = None, json_out: str | os.PathLike | None = None) -> None:
+    """After the watched run (``steps`` optimizer steps in ``seconds``), the first bad step it did not locate
+    is explained by ``nanprobe watch --at N`` in a fresh interpreter (the script starts as it did: its start
+    state is restored from --dir) when reaching it took about ``budget`` seconds or less; else a line says how
+    long it would take and gives the command. With ``json_out`` (watch's --json), that file becomes the
+    explained report, with a ``watch_explained`` section (how, the in-process report it replaces). The lines
+    for the summary go to ``say``."""
     import subprocess
     import tempfile
 
-    step = unlocated_step(events) if step is None else step   # (explain_line found it already)
+    step = unlocated_step(events)
     if step is None:
-        return None, None
+        return
     command_line = at_command(step, command, dirpath)
+    reach = seconds * min(1.0, (step + 1) / max(steps, 1))
+    if reach > budget:
+        say(f"nanprobe watch: step {step} was not located in-process; re-executing the script to it would "
+            f"take about {reach:.0f} s, over watch.explain_budget ({budget:.0f} s): {command_line}")
+        return
+    say(f"nanprobe watch: step {step} was not located in-process: re-executing the script to step {step} "
+        "to explain it (--no-explain skips this)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "at.json"
         argv = [sys.executable, "-m", "nanprobe.surface.cli", "watch", "--at", str(step), "--dir", str(dirpath),
@@ -348,13 +343,14 @@ def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.
         try:
             data = json.loads(out.read_text())
         except (OSError, ValueError):
-            return (f"nanprobe watch: step {step} was not located in-process; {command_line} failed "
-                    f"(exit code {done.returncode})"), None
+            say(f"nanprobe watch: step {step} was not located in-process; {command_line} failed "
+                f"(exit code {done.returncode})")
+            return
     path = max(Path(dirpath).glob(f"at-step{step:07d}-*.json"), key=lambda p: p.stat().st_mtime, default=None)
     if json_out is not None:
         first = next((e for e in events if e.step == step and e.report), None)
         data["watch_explained"] = {"by": "re-executing the script to the step, instrumented", "command": command_line,
-                                   "seconds_to_reach": None if seconds is None else round(seconds, 1),
+                                   "seconds_to_reach": round(seconds, 1),
                                    "in_process_report": first.report if first is not None else None}
         Path(json_out).write_text(json.dumps(data, indent=2, allow_nan=True))
     o = data.get("origin")
@@ -363,24 +359,9 @@ def explain(events: Sequence[Any], command: Sequence[str], *, dirpath: str | os.
         (f"origin in {o['phase']}, module {o['module'] or '(root)'}, {o.get('node') or o['op']}" if o else
          "no origin located")
     top = (data.get("findings") or [{}])[0].get("cause")
-    return (f"nanprobe watch: step {step} was not located in-process, so the script was re-executed with step "
-            f"{step} instrumented ({command_line}): {what}" + (f", cause {top}" if top else "")
-            + (f"; report: {path}" if path else "")), path
+    say(f"nanprobe watch: step {step} was not located in-process, so the script was re-executed with step "
+        f"{step} instrumented ({command_line}): {what}" + (f", cause {top}" if top else "")
+        + (f"; report: {path}" if path else ""))
 
 
-def explain_line(events: Sequence[Any], steps: int, seconds: float, budget: float,
-                 command: Sequence[str], dirpath: str | os.PathLike) -> tuple[int | None, str | None]:
-    """Whether to explain by default: (the step to explain, None) when reaching it took about ``budget``
-    seconds or less, else (None, the line that says how long it would take and gives the command)."""
-    step = unlocated_step(events)
-    if step is None:
-        return None, None
-    reach = seconds * min(1.0, (step + 1) / max(steps, 1))
-    if reach <= budget:
-        return step, None
-    return None, (f"nanprobe watch: step {step} was not located in-process; re-executing the script to it would "
-                  f"take about {reach:.0f} s, over watch.explain_budget ({budget:.0f} s): "
-                  f"{at_command(step, command, dirpath)}")
-
-
-__all__ = ["watch_at", "explain", "explain_line", "unlocated_step", "AtResult"]
+__all__ = ["watch_at", "explain", "unlocated_step", "AtResult"]
