@@ -7,7 +7,7 @@ import math
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.syntax import Syntax
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from ..base.report import Report, Status
@@ -19,7 +19,7 @@ def g(x) -> str:
     if isinstance(x, str):
         return x
     if isinstance(x, float):
-        if math.isnan(x) or math.isinf(x):
+        if not math.isfinite(x):
             return str(x)
         if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
             return f"{x:.3e}"
@@ -51,13 +51,14 @@ def render_report(report: Report, console: Console, *, verbose: bool = False) ->
                     console.print(Text.from_markup(f"  also trained over the horizon: [bold]{fix.title}[/]  "
                                                    f"{_MARK[fix.verified]}"))
                     console.print(Text(f"    {fix.verify_note}", style="dim italic"))
-    if report.precisions:
-        console.print(_precisions(report))
-    if report.context:
-        console.print(_context(report))
-    if report.history:
-        console.print(_history(report))
-    for note in report.notes:
+    for part, table in ((report.precisions, _precisions), (report.context, _context), (report.history, _history)):
+        if part:
+            console.print(table(report))
+    _notes(console, report.notes)
+
+
+def _notes(console: Console, notes) -> None:
+    for note in notes:
         console.print(f"[dim]note: {note}[/]")
 
 
@@ -187,13 +188,9 @@ def _position(r: Report) -> str | None:
 
 
 def _findings(r: Report) -> Table:
-    t = Table(title="Findings (most likely first)", title_justify="left", expand=True)
-    t.add_column("#", justify="right", width=2)
-    t.add_column("cause", style="bold")
-    t.add_column("conf", justify="right")
-    t.add_column("phase")
-    t.add_column("module")
-    t.add_column("evidence", ratio=1)
+    t = Table(Column("#", justify="right", width=2), Column("cause", style="bold"), Column("conf", justify="right"),
+              "phase", "module", Column("evidence", ratio=1), title="Findings (most likely first)",
+              title_justify="left", expand=True)
     for i, f in enumerate(r.findings, 1):
         lines = [e for e in f.evidence if not (r.origin and e.startswith(_ORIGIN_PREFIXES))]
         cause = f.cause.value + (f"\n{f.mechanism.value}" if f.mechanism is not None else "")
@@ -207,12 +204,8 @@ _ORIGIN_PREFIXES = ("forward: ", "backward: ", "update: ", "code: ")
 
 
 def _precisions(r: Report) -> Table:
-    t = Table(title=f"The same step in other precisions (step {r.step})", title_justify="left")
-    t.add_column("precision")
-    t.add_column("loss", justify="right")
-    t.add_column("grad norm", justify="right")
-    t.add_column("finite")
-    t.add_column("first non-finite")
+    t = Table("precision", Column("loss", justify="right"), Column("grad norm", justify="right"), "finite",
+              "first non-finite", title=f"The same step in other precisions (step {r.step})", title_justify="left")
     for name, p in r.precisions.items():
         o = p.origin
         first = f"{o.phase.value} {o.module or '(model)'} {o.node or o.op}" if o else (p.note or "-")
@@ -224,10 +217,10 @@ def _precisions(r: Report) -> Table:
 def _context(r: Report) -> Table:
     title = "Module outputs up to the origin" if r.origin is not None and r.origin.phase.value == "forward" \
         else "The last module outputs of the forward pass"
-    t = Table(title=f"{title} (forward order)", title_justify="left")
-    for col in ("module", "dtype", "|x| max", "min |x|>0", "zeros", "> fp16 max" if r.precision != "bf16"
-                else "> bf16 max", "subnormal"):
-        t.add_column(col, justify="right" if col not in ("module", "dtype") else "left")
+    over = "> fp16 max" if r.precision != "bf16" else "> bf16 max"
+    t = Table("module", "dtype", *(Column(c, justify="right") for c in ("|x| max", "min |x|>0", "zeros", over,
+                                                                        "subnormal")),
+              title=f"{title} (forward order)", title_justify="left")
     for m in r.context:
         t.add_row(m.module or "(model)", m.dtype, g(m.absmax), g(m.min_nonzero), _pct(m.zero_frac), _pct(m.over_frac),
                   _pct(m.under_frac), style=None if m.finite else "red")
@@ -235,10 +228,9 @@ def _context(r: Report) -> Table:
 
 
 def _history(r: Report) -> Table:
-    t = Table(title="Recent steps", title_justify="left")
     epochs = any(h.epoch is not None for h in r.history)
-    for col in ("step",) + (("epoch", "of epoch") if epochs else ()) + ("loss", "grad norm", "lr", "|dw|/|w|", "note"):
-        t.add_column(col, justify="right" if col != "note" else "left")
+    cols = ("step",) + (("epoch", "of epoch") if epochs else ()) + ("loss", "grad norm", "lr", "|dw|/|w|")
+    t = Table(*(Column(c, justify="right") for c in cols), "note", title="Recent steps", title_justify="left")
     for h in r.history[-6:]:
         note = "skipped (GradScaler)" if h.skipped else ("" if h.finite else "[red]non-finite[/]")
         epoch = (str(h.epoch), str(h.index)) if epochs and h.epoch is not None else (("-", "-") if epochs else ())
@@ -255,8 +247,7 @@ def render_smoke(result, console: Console, *, verbose: bool = False) -> None:
             console.print(f"[bold]capsule[/] {result.capsule}")
         if result.command:
             console.print(f"[bold]replay[/]  {result.command}")
-        for note in result.notes:
-            console.print(f"[dim]note: {note}[/]")
+        _notes(console, result.notes)
         return
     lines = _grid()
     losses = [h.loss for h in r.history if h.loss is not None and not h.skipped]
@@ -268,8 +259,7 @@ def render_smoke(result, console: Console, *, verbose: bool = False) -> None:
                         title_align="left"))
     if verbose and r.history:
         console.print(_history(r))
-    for note in tuple(result.notes) + r.notes:
-        console.print(f"[dim]note: {note}[/]")
+    _notes(console, tuple(result.notes) + r.notes)
 
 
 def render_comparison(cmp, console: Console) -> None:
@@ -282,14 +272,11 @@ def render_comparison(cmp, console: Console) -> None:
                   + (f"  ·  {cmp.autocast_policy}" if cmp.autocast_policy else ""))
     console.print(Panel(lines, title=f"[bold]nanprobe compare-precisions: {title}[/]", title_align="left",
                         border_style="red" if bad else "green"))
-    t = Table(title=f"The same step in each precision (errors vs {cmp.reference}; act/grad bits: headroom below "
+    numbers = ("loss", "loss err", "grad norm", "grad cos", "act bits", "grad bits", "underflow")
+    t = Table(Column("precision", no_wrap=True), *(Column(c, justify="right", no_wrap=True) for c in numbers),
+              Column("first non-finite / note", min_width=24, ratio=1),
+              title=f"The same step in each precision (errors vs {cmp.reference}; act/grad bits: headroom below "
                     "the dtype's max, in powers of two)", title_justify="left", expand=True)
-    for col in ("precision", "loss", "loss err", "grad norm", "grad cos", "act bits", "grad bits",
-                "underflow", "first non-finite / note"):
-        if col == "first non-finite / note":
-            t.add_column(col, justify="left", min_width=24, ratio=1)
-        else:
-            t.add_column(col, justify="left" if col == "precision" else "right", no_wrap=True)
     for name, r in cmp.precisions.items():
         label = name + (" (ref)" if r.reference else "")
         if not r.ran:
@@ -318,9 +305,7 @@ def render_comparison(cmp, console: Console) -> None:
                               cmp.deepest_underflow, _share_pct)):
         if not rows:
             continue
-        lt = Table(title=title, title_justify="left")
-        for col in ("precision", "module", "value", "detail"):
-            lt.add_column(col, justify="right" if col == "value" else "left")
+        lt = Table("precision", "module", Column("value", justify="right"), "detail", title=title, title_justify="left")
         for x in rows:
             lt.add_row(x.precision, x.module, fmt(x.value), x.detail)
         console.print(lt)
@@ -328,16 +313,11 @@ def render_comparison(cmp, console: Console) -> None:
                         border_style="green" if cmp.recommended else "yellow"))
     for d in cmp.disagreements:
         console.print(f"[red]finding: {d['evidence']}[/]")
-    for note in cmp.notes:
-        console.print(f"[dim]note: {note}[/]")
+    _notes(console, cmp.notes)
 
 
 def _bits(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "-inf" if x < 0 else "inf"
-    return f"{x:.1f}"
+    return "-" if x is None else f"{x:.1f}"   # inf: "inf", "-inf"
 
 
 def _shape_range(lo: tuple[int, ...], hi: tuple[int, ...]) -> str:
@@ -401,8 +381,7 @@ def render_scan(result, console: Console, *, max_rows: int = 20) -> None:
             row += [g(s.mean), g(s.std)] if wide else []
             t.add_row(*row, probs, style="red" if any(c not in ("outlier", "constant") for c in s.problems) else None)
         console.print(t)
-    for note in r.notes:
-        console.print(f"[dim]note: {note}[/]")
+    _notes(console, r.notes)
 
 
 def _share_pct(x) -> str:
