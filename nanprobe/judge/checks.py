@@ -23,6 +23,7 @@ from ..base.batch import key_name
 LABEL_KEYS = re.compile(r"(^|_)(label|labels|target|targets|y|tag|tags|class|classes)($|_)", re.I)
 MASK_KEYS = re.compile(r"mask", re.I)
 LOSS_MASK_KEYS = re.compile(r"(loss|label|labels|target|targets)_?mask", re.I)
+PAD_KEYS = re.compile(r"^(pad|pads|padding|is_pad|is_padding|padded)$", re.I)   # a padding mask named without "mask"
 
 # Leaf roles: which reductions a tensor gets and which checks apply to it.
 FLOAT = "float"            # floating features: non-finite, beyond range, outliers, constant
@@ -35,8 +36,6 @@ LOSS_MASK = "loss_mask"    # bool/int mask over the loss: all zero
 BOOL = "bool"              # other bool tensors: summary only
 OTHER = "other"            # complex, sparse, ...: skipped
 
-ERROR_CODES = ("nonfinite", "empty", "beyond_range", "label_negative", "label_out_of_range", "all_ignored",
-               "masked_row")
 WARNING_CODES = ("outlier", "constant", "masked_row_sdpa")   # masked_row_sdpa: a row SDPA here returns 0 for
 
 
@@ -54,22 +53,12 @@ class DataProblem:
     micro: int | None = None  # the micro-batch of the step (gradient accumulation)
 
     def to_json(self) -> dict[str, Any]:
-        value = self.value
-        if value is not None and not math.isfinite(value):
-            value = str(value)
-        out = {"code": self.code, "level": self.level, "step": self.step, "key": self.key, "count": self.count,
-               "samples": list(self.samples), "value": value, "message": self.message}
-        if self.micro is not None:
-            out["micro"] = self.micro
+        out = dataclasses.asdict(self) | {"samples": list(self.samples)}
+        if self.value is not None and not math.isfinite(self.value):
+            out["value"] = str(self.value)
+        if self.micro is None:
+            del out["micro"]
         return out
-
-
-PAD_KEYS = re.compile(r"^(pad|pads|padding|is_pad|is_padding|padded)$", re.I)
-
-
-def is_pad_key(path: str) -> bool:
-    """A padding mask named without "mask" (``batch["pad"]``: True = padding)."""
-    return bool(PAD_KEYS.search(key_name(path)))
 
 
 @functools.cache
@@ -118,18 +107,6 @@ def _masked_row_verdict(kind: str) -> tuple[str, str]:
                      f"gives NaN with the {', '.join(bad)} backend)" if bad else "attention over nothing is 0/0 = NaN")
 
 
-def is_label_key(path: str) -> bool:
-    return bool(LABEL_KEYS.search(key_name(path)))
-
-
-def is_mask_key(path: str) -> bool:
-    return bool(MASK_KEYS.search(key_name(path)))
-
-
-def is_loss_mask_key(path: str) -> bool:
-    return bool(LOSS_MASK_KEYS.search(key_name(path)))
-
-
 # -- leaves ----------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Leaf:
@@ -156,35 +133,34 @@ class Leaf:
 _ROLES: dict[tuple, str] = {}
 
 
-def _role(path: str, t: torch.Tensor, tuple_label: bool) -> str:
-    key = (path, t.dtype, t.dim(), t.layout, tuple_label)
+def _role(path: str, t: torch.Tensor) -> str:
+    key = (path, t.dtype, t.dim(), t.layout)
     role = _ROLES.get(key)
     if role is None:
         if len(_ROLES) > 4096:
             _ROLES.clear()
-        role = _ROLES[key] = _find_role(path, t, tuple_label)
+        role = _ROLES[key] = _find_role(path, t)
     return role
 
 
-def _find_role(path: str, t: torch.Tensor, tuple_label: bool) -> str:
+def _find_role(path: str, t: torch.Tensor) -> str:
     if t.is_sparse or t.is_complex() or t.layout != torch.strided:
         return OTHER
-    if t.dim() >= 2 and not t.is_floating_point() and is_pad_key(path):
+    name = key_name(path)
+    if t.dim() >= 2 and not t.is_floating_point() and PAD_KEYS.search(name):
         return PAD_MASK
-    name_mask = is_mask_key(path)
+    mask, loss_mask = MASK_KEYS.search(name), LOSS_MASK_KEYS.search(name)
     if t.is_floating_point():
-        return FLOAT_MASK if name_mask and t.dim() >= 2 and not is_loss_mask_key(path) else FLOAT
-    if name_mask:
-        if is_loss_mask_key(path):
+        return FLOAT_MASK if mask and t.dim() >= 2 and not loss_mask else FLOAT
+    if mask:
+        if loss_mask:
             return LOSS_MASK
         if t.dim() < 2:
             return BOOL if t.dtype == torch.bool else INT
-        return PAD_MASK if "pad" in key_name(path).lower() else MASK
+        return PAD_MASK if "pad" in name.lower() else MASK
     if t.dtype == torch.bool:
         return BOOL
-    if tuple_label or is_label_key(path):
-        return LABEL
-    return INT
+    return LABEL if LABEL_KEYS.search(name) else INT
 
 
 def is_ragged(items: Sequence[Any], top: bool) -> bool:
@@ -199,14 +175,14 @@ def is_ragged(items: Sequence[Any], top: bool) -> bool:
     return len(items) >= 3 or not top   # a top-level (x, y) pair is two fields, not two samples
 
 
-def _ragged_leaf(path: str, items: Sequence[torch.Tensor], tuple_label: bool) -> Leaf:
+def _ragged_leaf(path: str, items: Sequence[torch.Tensor]) -> Leaf:
     shapes = [tuple(v.shape) for v in items]
     numels = [v.numel() for v in items]
     flat = torch.cat([v.detach().reshape(-1) for v in items])
     starts = torch.tensor([0] + numels[:-1], device=flat.device).cumsum(0)
     hi = tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
     lo = tuple(min(s[d] for s in shapes) for d in range(len(shapes[0])))
-    role = _role(path, items[0], tuple_label)
+    role = _role(path, items[0])
     if role in (MASK, PAD_MASK, FLOAT_MASK):   # per-sample masks: a sample's rows are its last axis
         role = FLOAT if role == FLOAT_MASK else INT
     return Leaf(key=path, tensor=flat, role=role, shape=(len(items),) + hi, shape_min=(len(items),) + lo,
@@ -226,11 +202,14 @@ def leaves(batch: Any) -> list[Leaf]:
     return out
 
 
+def _tensor_leaf(path: str, obj: torch.Tensor, role: str | None = None) -> Leaf:
+    t = obj.detach() if obj.requires_grad else obj
+    return Leaf(key=path, tensor=t, role=role or _role(path, t), shape=t.shape, shape_min=t.shape)
+
+
 def _walk(obj: Any, path: str, out: list[Leaf], tuple_label: int, *, top: bool = False) -> None:
     if isinstance(obj, torch.Tensor):
-        t = obj.detach() if obj.requires_grad else obj
-        shape = t.shape
-        out.append(Leaf(key=path, tensor=t, role=_role(path, t, False), shape=shape, shape_min=shape))
+        out.append(_tensor_leaf(path, obj))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
             _walk(value, f"{path}[{key!r}]", out, -1)
@@ -240,13 +219,12 @@ def _walk(obj: Any, path: str, out: list[Leaf], tuple_label: int, *, top: bool =
     elif isinstance(obj, (list, tuple)):
         fields_ = getattr(obj, "_fields", None)  # namedtuple
         if not fields_ and is_ragged(obj, top):
-            out.append(_ragged_leaf(path, obj, False))
+            out.append(_ragged_leaf(path, obj))
             return
         for i, value in enumerate(obj):
             sub = f"{path}.{fields_[i]}" if fields_ else f"{path}[{i}]"
             if top and i == tuple_label:
-                t = value.detach() if value.requires_grad else value
-                out.append(Leaf(key=sub, tensor=t, role=LABEL, shape=t.shape, shape_min=t.shape))
+                out.append(_tensor_leaf(sub, value, LABEL))
             else:
                 _walk(value, sub, out, -1)
 
@@ -276,10 +254,6 @@ class Stats:
     maybe_all_ignored: bool = False  # labels: all equal to the fill value; the detail pass counts them
 
 
-def _low(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float16, torch.bfloat16) or t.element_size() < 4
-
-
 def _reductions(leaf: Leaf, ignore_index: int) -> list[torch.Tensor]:
     """0-dim tensors for one leaf; ``_parse`` reads them back in the same order."""
     x = leaf.tensor
@@ -287,16 +261,13 @@ def _reductions(leaf: Leaf, ignore_index: int) -> list[torch.Tensor]:
     if x.numel() == 0 or role == OTHER:
         return []
     moments = leaf.moments
-    if role == FLOAT:
+    if role in (FLOAT, INT):
         mn, mx = torch.aminmax(x)
         if not moments:
             return [mn, mx]
-        acc = torch.float32 if _low(x) else None
-        return [mn, mx, x.sum(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)]
-    if role == INT:
-        mn, mx = torch.aminmax(x)
-        if not moments:
-            return [mn, mx]
+        if role == FLOAT:
+            acc = torch.float32 if x.element_size() < 4 else None   # fp16, bf16, fp8: sums in float32
+            return [mn, mx, x.sum(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)]
         if leaf.small and x.dtype == torch.int64 and x.is_cpu and x.is_contiguous():
             flat = x.view(-1)   # exact integer sum of squares (the caller knows it cannot overflow)
             return [mn, mx, x.sum(), torch.dot(flat, flat)]
@@ -379,9 +350,8 @@ def _parse(leaf: Leaf, v: list[float]) -> Stats:
             st.sum = v[1]
             if len(v) > 2:
                 st.min, st.max = v[2], v[3]
-            else:
-                st.min = 0.0 if v[1] < n else 1.0
-                st.max = 1.0 if v[1] > 0 else 0.0
+            else:   # bool: min and max follow from the count of True
+                st.min, st.max = float(v[1] >= n), float(v[1] > 0)
     elif role == LOSS_MASK:
         st.ignored = n - int(v[0])
         if len(v) > 1:
@@ -390,8 +360,7 @@ def _parse(leaf: Leaf, v: list[float]) -> Stats:
     elif role == BOOL:
         st.moments = True
         st.sum = v[0]
-        st.min = 0.0 if v[0] < n else 1.0
-        st.max = 1.0 if v[0] > 0 else 0.0
+        st.min, st.max = float(v[0] >= n), float(v[0] > 0)
     return st
 
 
@@ -424,23 +393,18 @@ def _parse_labels(leaf: Leaf, v: list[float], st: Stats) -> None:
         st.maybe_all_ignored = True
 
 
-def measure(items: list[Leaf], *, ignore_index: int = -100,
-            extra: Sequence[torch.Tensor] = ()) -> tuple[list[Stats], list[float]]:
-    """Reductions of every leaf (plus ``extra`` 0-dim tensors) read back with one sync per device."""
-    return _measure(items, ignore_index, extra)
-
-
 def _measure(items: list[Leaf], ignore_index: int, extra: Sequence[torch.Tensor]) -> tuple[list[Stats], list[float]]:
+    """Reductions of every leaf (plus ``extra`` 0-dim tensors) read back with one sync per device."""
     for leaf in items:
         leaf.ignore_index = ignore_index
     plans = [_reductions(leaf, ignore_index) for leaf in items]
     parts = [p for plan in plans for p in plan] + list(extra)
     if not parts:
         return [_parse(leaf, []) for leaf in items], []
-    if all(p.is_cpu for p in parts) or len({p.device for p in parts}) == 1:
+    devices = {p.device for p in parts}
+    if len(devices) == 1:
         values = _read(parts)
     else:  # rare: tensors of one batch on several devices; one sync each
-        devices = {p.device for p in parts}
         values = [0.0] * len(parts)
         for device in devices:
             idx = [i for i, p in enumerate(parts) if p.device == device]
@@ -473,7 +437,7 @@ def sample_rows(leaf: Leaf, bad: torch.Tensor, limit: int) -> tuple[int, ...]:
     """The first ``limit`` samples (dim 0, or ragged list index) where ``bad`` is true."""
     if bad.dim() == 0 or limit <= 0:
         return ()
-    if leaf.starts is not None:
+    if leaf.ragged:
         pos = bad.reshape(-1).nonzero().flatten()
         rows = torch.searchsorted(leaf.starts, pos, right=True) - 1
         return tuple(int(i) for i in torch.unique_consecutive(rows)[:limit].tolist())
@@ -538,15 +502,18 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
     if x.numel() == 0:
         return out
 
-    def add(code: str, bad: torch.Tensor, message, value: float | None = None, count: int | None = None,
-            level: str = "error") -> None:
-        c = int(bad.sum()) if count is None else count
-        example = value
-        if example is None and not code.startswith("masked_row"):
+    def add(code: str, bad: torch.Tensor, message, level: str = "error") -> None:
+        c, example = int(bad.sum()), None
+        if not code.startswith("masked_row"):
             example = float(x[bad].flatten()[0]) if x.dim() else float(x)
         out.append(DataProblem(code=code, level=level, step=step, key=key, count=c,
                                samples=sample_rows(leaf, bad, max_examples), value=example,
                                message=message(c, example)))
+
+    def masked_rows(rows: torch.Tensor, where: str, verdict: tuple[str, str]) -> None:
+        level, what = verdict
+        add("masked_row" if level == "error" else "masked_row_sdpa", rows,
+            lambda c, e: f"{key} masks out every position of {c} row(s){where}: {what}", level=level)
 
     if role == FLOAT:
         if not st.finite:
@@ -566,13 +533,11 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
         if not st.finite:
             add("nonfinite", torch.isnan(x) | (x == math.inf),
                 lambda c, e: f"{key} holds {c} NaN/+inf value(s) ({e}); an additive mask holds 0 and -inf only")
-        if st.masked or (range_max is not None and st.row_low < -range_max):
-            low = range_max is not None and not st.masked
-            rows = x.amax(-1) < -range_max if low else x.amax(-1) == -math.inf
-            level, what = ("error", "attention over nothing is 0/0 = NaN") if low else _masked_row_verdict("float")
-            add("masked_row" if level == "error" else "masked_row_sdpa", rows, lambda c, e: f"{key} masks out every position of {c} row(s) "
-                + (f"(all below -{range_max:g}: -inf once cast to the training precision)" if low else "(all -inf)")
-                + f": {what}", level=level)
+        if st.masked:
+            masked_rows(x.amax(-1) == -math.inf, " (all -inf)", _masked_row_verdict("float"))
+        elif range_max is not None and st.row_low < -range_max:
+            masked_rows(x.amax(-1) < -range_max, f" (all below -{range_max:g}: -inf once cast to the training precision)",
+                        ("error", "attention over nothing is 0/0 = NaN"))
     elif role == LABEL:
         if st.maybe_all_ignored:
             st.ignored = int((x == ignore_index).count_nonzero())
@@ -601,10 +566,7 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
     elif role in (MASK, PAD_MASK):
         if st.masked:
             m = x.bool()
-            rows = m.all(-1) if role == PAD_MASK else ~m.any(-1)
-            level, what = _masked_row_verdict("bool")
-            add("masked_row" if level == "error" else "masked_row_sdpa", rows,
-                lambda c, e: f"{key} masks out every position of {c} row(s): {what}", level=level)
+            masked_rows(m.all(-1) if role == PAD_MASK else ~m.any(-1), "", _masked_row_verdict("bool"))
     elif role == LOSS_MASK:
         if st.ignored == st.n:
             out.append(DataProblem(code="all_ignored", level="error", step=step, key=key, count=st.n, samples=(),
@@ -634,7 +596,7 @@ def check_batch(batch: Any, *, step: int | None = None, ignore_index: int = -100
     floating values beyond it become inf on the autocast cast.
     """
     items = leaves(batch)
-    stats, _ = measure(items, ignore_index=ignore_index)
+    stats, _ = _measure(items, ignore_index, ())
     problems: list[DataProblem] = []
     for leaf, st in zip(items, stats):
         if suspect(leaf, st, num_classes, range_max):
