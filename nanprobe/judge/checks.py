@@ -536,7 +536,8 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
         if st.masked:
             masked_rows(x.amax(-1) == -math.inf, " (all -inf)", _masked_row_verdict("float"))
         elif range_max is not None and st.row_low < -range_max:
-            masked_rows(x.amax(-1) < -range_max, f" (all below -{range_max:g}: -inf once cast to the training precision)",
+            masked_rows(x.amax(-1) < -range_max,
+                        f" (all below -{range_max:g}: -inf once cast to the training precision)",
                         ("error", "attention over nothing is 0/0 = NaN"))
     elif role == LABEL:
         if st.maybe_all_ignored:

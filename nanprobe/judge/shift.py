@@ -10,13 +10,14 @@ with the pooled histogram before). Each problem names the key and the samples th
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .checks import FLOAT, LABEL, LOSS_MASK, MASK, PAD_MASK, DataProblem, Leaf, leaves
+from .checks import FLOAT, LABEL, LOSS_MASK, MASK, PAD_MASK, DataProblem, Leaf, leaves, sample_rows
 
 _LENGTH_ROLES = (MASK, PAD_MASK, LOSS_MASK)
 
@@ -47,18 +48,10 @@ def _stats(leaf: Leaf, ignore_index: int) -> _KeyStats | None:
         valid = t.detach().reshape(t.shape[0], -1)
         valid = ~valid.bool() if leaf.role == PAD_MASK else valid.bool()
         return _KeyStats(length=float(valid.sum(1).float().mean()))
-    if leaf.ragged and leaf.starts is not None:
+    if leaf.ragged:
         ends = torch.cat([leaf.starts[1:], leaf.starts.new_tensor([t.numel()])])
         return _KeyStats(length=float((ends - leaf.starts).float().mean()))
     return None
-
-
-def _rows(leaf: Leaf, hit: torch.Tensor, limit: int) -> tuple[int, ...]:
-    """Samples (dim 0) whose values ``hit`` selects."""
-    if leaf.ragged or hit.dim() == 0:
-        return ()
-    rows = hit.reshape(hit.shape[0], -1).any(1)
-    return tuple(int(i) for i in rows.nonzero().flatten()[:limit].tolist())
 
 
 def _tv(a: Counter, b: Counter) -> float:
@@ -89,13 +82,9 @@ def batch_shift(items: list[Any], before: list[list[Any]], *, step: int, factor:
                 continue
             p = _judge(leaf, st, seen, step=step, factor=factor, max_examples=max_examples)
             if p is not None:
-                out.append(p if len(items) == 1 else DataProblem(**{**_fields(p), "micro": j,
-                                                                    "message": f"micro-batch {j}: {p.message}"}))
+                out.append(p if len(items) == 1 else
+                           dataclasses.replace(p, micro=j, message=f"micro-batch {j}: {p.message}"))
     return out
-
-
-def _fields(p: DataProblem) -> dict[str, Any]:
-    return {k: getattr(p, k) for k in DataProblem.__slots__}
 
 
 def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, factor: float,
@@ -103,21 +92,21 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
     n = len(seen)
     if st.rms is not None:
         rms = [s.rms for s in seen if s.rms is not None]
-        top = [s.absmax for s in seen if s.absmax is not None]
-        if not rms or not top:
+        tops = [s.absmax for s in seen if s.absmax is not None]
+        if not rms or not tops:
             return None
-        lo, hi = min(rms), max(rms)
-        if (st.rms > factor * hi and hi > 0) or (st.absmax > factor * max(top) and max(top) > 0):
+        lo, hi, top = min(rms), max(rms), max(tops)
+        if (st.rms > factor * hi and hi > 0) or (st.absmax > factor * top and top > 0):
             x = leaf.tensor.detach().float()
-            hit = torch.isfinite(x) & (x.abs() > max(top))
+            hit = torch.isfinite(x) & (x.abs() > top)
             mid = sorted(rms)[len(rms) // 2]
             ratio = st.rms / mid if mid > 0 else float("inf")
             return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=int(hit.sum()),
-                               samples=_rows(leaf, hit, max_examples), value=st.absmax,
+                               samples=() if leaf.ragged else sample_rows(leaf, hit, max_examples), value=st.absmax,
                                message=(f"{leaf.key} is {ratio:.3g}x its usual size in this batch" if st.rms > factor * hi
-                                        else f"{leaf.key} holds values {st.absmax / max(top):.3g}x beyond its usual range")
+                                        else f"{leaf.key} holds values {st.absmax / top:.3g}x beyond its usual range")
                                + f" (rms {st.rms:.3g}, |x| up to {st.absmax:.3g}; the {n} batches before: rms "
-                                 f"{lo:.3g}..{hi:.3g}, |x| up to {max(top):.3g})")
+                                 f"{lo:.3g}..{hi:.3g}, |x| up to {top:.3g})")
         if lo > 0 and st.rms * factor < lo:
             # a key with no spread in this batch (one sample normalised by its own mean, all zeros) has rms 0
             smaller = f"{lo / st.rms:.3g}x smaller than" if st.rms > 0 else "all zeros, unlike"
@@ -151,7 +140,7 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
                 torch.zeros_like(x, dtype=torch.bool)
             what = f"labels never seen before ({', '.join(map(str, new[:5]))})" if new else "other label shares"
             return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=int(hit.sum()),
-                               samples=_rows(leaf, hit, max_examples), value=float(new[0]) if new else None,
+                               samples=sample_rows(leaf, hit, max_examples), value=float(new[0]) if new else None,
                                message=f"{leaf.key} holds {what}: its label histogram differs from the {n} batches "
                                        f"before by {dist:.2f} (total variation; those batches differ by at most "
                                        f"{usual:.2f})")
