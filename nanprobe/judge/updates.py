@@ -126,11 +126,10 @@ def update_forensics(optimizers: Iterable[torch.optim.Optimizer], names: dict[in
     if not optimizers:
         return {}
     opt = optimizers[0]
-    groups = []
-    for g in opt.param_groups:
-        groups.append({k: (float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else
-                           [float(x) for x in v] if isinstance(v, tuple) else v)
-                       for k, v in g.items() if k in ("lr", "eps", "weight_decay", "betas", "momentum")})
+    groups = [{k: (float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else
+                   [float(x) for x in v] if isinstance(v, tuple) else v)
+               for k, v in g.items() if k in ("lr", "eps", "weight_decay", "betas", "momentum")}
+              for g in opt.param_groups]
     flags = {k: bool(opt.defaults.get(k)) for k in ("fused", "foreach") if opt.defaults.get(k)}
     out: dict[str, Any] = {"optimizer": type(opt).__name__, "param_groups": groups, **flags}
     if not weights:
@@ -160,17 +159,16 @@ def update_forensics(optimizers: Iterable[torch.optim.Optimizer], names: dict[in
     return out
 
 
-def _eps_zero(upd: dict[str, Any], row: dict[str, Any]) -> bool:
-    group = (upd.get("param_groups") or [{}])[row["group"]] if row["optimizer"] == 0 else {}
-    eps = group.get("eps")
-    return eps is not None and eps <= 1e-30 and (row.get("exp_avg_sq") or {}).get("zeros", 0) > 0
+def _group(upd: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the param group a non-finite parameter is in (recorded for the first optimizer only)."""
+    return (upd.get("param_groups") or [{}])[row["group"]] if row["optimizer"] == 0 else {}
 
 
 def describe(upd: dict[str, Any], step: int) -> str:
     """One line for the log: which update, which parameter, the LR and the optimizer state."""
     bad = upd["nonfinite_parameters"]
     first = bad[0]
-    group = (upd.get("param_groups") or [{}])[first["group"]] if first["optimizer"] == 0 else {}
+    group = _group(upd, first)
     text = (f"the {upd.get('optimizer', 'optimizer')} update of step {step} made the weights non-finite: "
             f"{first['nonfinite']} value(s) of {first['parameter']}"
             + (f" and {len(bad) - 1} more parameter(s)" if len(bad) > 1 else "")
@@ -185,13 +183,13 @@ def describe(upd: dict[str, Any], step: int) -> str:
 def update_finding(upd: dict[str, Any], step: int) -> Finding:
     """The finding for weights an update made non-finite: ``div`` for Adam's 0/0 (``eps=0`` and a second
     moment at 0), else ``lr_spike`` (a step too large for the weights)."""
-    bad = upd["nonfinite_parameters"]
-    first = bad[0]
-    group = (upd.get("param_groups") or [{}])[first["group"]] if first["optimizer"] == 0 else {}
+    first = upd["nonfinite_parameters"][0]
+    group = _group(upd, first)
     lines = [describe(upd, step),
              "optimizer settings: " + ", ".join(f"{k}={v}" for k, v in group.items())]
     module = first["parameter"].rpartition(".")[0] or None
-    if _eps_zero(upd, first):
+    eps = group.get("eps")
+    if eps is not None and eps <= 1e-30 and (first.get("exp_avg_sq") or {}).get("zeros", 0) > 0:
         opt = upd.get("optimizer", "Adam")
         lines.append("the update is m / (sqrt(v) + eps): where a weight's gradient has been 0, m = v = 0 and "
                      "eps = 0 makes it 0/0")
