@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,14 +62,6 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return out
 
 
-def _output_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    last = None
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            last = (name, m)
-    return last
-
-
 def _recent_peak(pts: list[tuple[int, float]], n: int = 3) -> tuple[int, float]:
     """The largest finite value of the last ``n`` samples: the failing step's own sample may already be
     non-finite or zeroed (an overflowed row masks to 0) and is no measure of how far the growth went."""
@@ -85,9 +78,15 @@ def _layer_of(name: str, depth: int = 2) -> str:
 class _AttentionMode(TorchFunctionMode):
     """Entered inside an attention module: reads the logits at its softmax and matmuls."""
 
-    def __init__(self, sink: dict[str, list[torch.Tensor]], name: str):
+    def __init__(self, sink: defaultdict[str, list[torch.Tensor]], name: str):
         super().__init__()
         self.sink, self.name = sink, name
+
+    def pre_hook(self, mod, args) -> None:
+        self.__enter__()     # returns the mode; a forward pre-hook must return None (or it replaces the args)
+
+    def post_hook(self, mod, args, out) -> None:
+        self.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -116,7 +115,7 @@ class _AttentionMode(TorchFunctionMode):
         return out
 
     def _put(self, stat: str, value: torch.Tensor) -> None:
-        self.sink.setdefault(f"{self.name}/{stat}", []).append(value)
+        self.sink[f"{self.name}/{stat}"].append(value)
 
 
 def _finite_absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -124,14 +123,6 @@ def _finite_absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     lo, hi = lo.float(), hi.float()
     zero = torch.zeros((), device=lo.device)
     return torch.maximum(torch.where(torch.isfinite(lo), -lo, zero), torch.where(torch.isfinite(hi), hi, zero))
-
-
-def _enter(mode: _AttentionMode) -> None:
-    mode.__enter__()     # returns the mode; a forward pre-hook must return None (or it replaces the args)
-
-
-def _exit(mode: _AttentionMode) -> None:
-    mode.__exit__(None, None, None)
 
 
 @dataclass(slots=True)
@@ -152,7 +143,8 @@ class Monitor:
         self.every = max(1, every if every is not None else cfg.every)
         self.dtype = dtype
         self.attention = attention_modules(model)
-        self.output = _output_module(model)
+        self.output = next(((n, m) for n, m in reversed(list(model.named_modules()))
+                            if isinstance(m, torch.nn.Linear)), None)   # the last Linear: the output head
         # activation headroom on every monitored step where the dtype's range is short (fp16); elsewhere (with
         # ``activations``: replay and smoke) the largest activation every ACTIVATIONS_EVERY steps, for
         # activation growth. A hook on every leaf module is most of the monitor's cost.
@@ -173,31 +165,29 @@ class Monitor:
         self.trend = Trend(cfg, dtype, classes=self.output[1].out_features if self.output is not None else None,
                            live=live)
         self._handles: list[Any] = []
-        self._sink: dict[str, list[torch.Tensor]] = {}
+        self._sink: defaultdict[str, list[torch.Tensor]] = defaultdict(list)
         self._acts: list[tuple[str, torch.Tensor]] = []
         self._active = False
         self._begun, self._forward_seen = 0, False
 
-    def due(self, step: int) -> bool:
-        """Every ``every`` steps; live, also the first steps seen until one saw the model's forward (at most
-        ``EARLY_SAMPLES``): a monitor made after its run's first forward (a hand-written loop is known as
-        one at its second backward) still has the level a run that breaks away early is judged against. Those
-        extra steps measure no update (Adam's first steps are large relative to a fresh init)."""
-        return self.cfg.enabled and (step % self.every == 0 or (self.live and not self._forward_seen and
-                                                                self._begun < EARLY_SAMPLES))
-
     # -- forward: hooks installed for a monitored step only -------------------------------------------
     def begin(self, step: int) -> bool:
-        """Install the forward statistics when ``step`` is monitored; returns whether it is."""
-        if not self.due(step) or self._active:
+        """Install the forward statistics when ``step`` is monitored (every ``every`` steps); returns whether it is.
+
+        Live, also the first steps seen until one saw the model's forward (at most ``EARLY_SAMPLES``): a
+        monitor made after its run's first forward (a hand-written loop is known as one at its second
+        backward) still has the level a run that breaks away early is judged against. Those extra steps
+        measure no update (Adam's first steps are large relative to a fresh init)."""
+        due = step % self.every == 0 or (self.live and not self._forward_seen and self._begun < EARLY_SAMPLES)
+        if not self.cfg.enabled or not due or self._active:
             return False
-        self._active, self._sink, self._acts = True, {}, []
+        self._active, self._sink, self._acts = True, defaultdict(list), []
         self._begun += 1
-        self._w0 = self._sample() if self.sampled and not self.live else None
+        self._w0 = self.sample() if self.sampled and not self.live else None
         for name, m in self.attention:
             mode = _AttentionMode(self._sink, name)
-            self._handles.append(m.register_forward_pre_hook(lambda mod, args, mode=mode: _enter(mode)))
-            self._handles.append(m.register_forward_hook(lambda mod, args, out, mode=mode: _exit(mode)))
+            self._handles.append(m.register_forward_pre_hook(mode.pre_hook))
+            self._handles.append(m.register_forward_hook(mode.post_hook))
         if self.output is not None:
             self._handles.append(self.output[1].register_forward_hook(self._output_hook))
         if self.short_range or step % max(ACTIVATIONS_EVERY, self.every) == 0:
@@ -216,13 +206,10 @@ class Monitor:
         weights and gradients now, so that its check measures the update (|dw|/|w|, cosine with -grad)."""
         if self.live and self.sampled and self.cfg.enabled and (step + 1) % self.every == 0:
             with torch.no_grad():
-                self._pre = (step, self._sample(), self._sample(grads=True))
+                self._pre = (step, self.sample(), self.sample(grads=True))
 
-    def sample(self) -> torch.Tensor:
-        """The fixed strided sample of the weights the update statistics read (no sync)."""
-        return self._sample()
-
-    def _sample(self, grads: bool = False) -> torch.Tensor:
+    def sample(self, grads: bool = False) -> torch.Tensor:
+        """The fixed strided sample of the weights (or ``grads``) the update statistics read (no sync)."""
         with torch.no_grad():
             parts = []
             for p, stride in self.sampled:
@@ -237,10 +224,10 @@ class Monitor:
         if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[-1] > 1:
             with torch.no_grad():
                 x = out.detach().float()
-                self._sink.setdefault(f"{self.output[0]}/logsumexp", []).append(torch.logsumexp(x, dim=-1).amax())
+                self._sink[f"{self.output[0]}/logsumexp"].append(torch.logsumexp(x, dim=-1).amax())
                 # the logits' mean per row: the part of log Z no softmax sees (what z-loss pins down); a confident
                 # head grows its top logit, a drifting one moves them all
-                self._sink.setdefault(f"{self.output[0]}/logit_mean", []).append(x.mean(-1).abs().amax())
+                self._sink[f"{self.output[0]}/logit_mean"].append(x.mean(-1).abs().amax())
 
     def _act(self, name: str, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
@@ -261,68 +248,49 @@ class Monitor:
             return None
         self._active = False
         self._remove()
-        keys: list[str] = []
-        vals: list[torch.Tensor] = []
-        for key, items in self._sink.items():
-            stat = key.rsplit("/", 1)[1]
-            keys.append(key)
-            stacked = torch.stack(items)
-            vals.append(stacked.amin() if stat == "entropy" else stacked.amax())
-        names = [n for n, _ in self._acts]
-        acts = [a for _, a in self._acts]
+        stats = {key: torch.stack(items).amin() if key.endswith("/entropy") else torch.stack(items).amax()
+                 for key, items in self._sink.items()}
         grads = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
-        norms = list(torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for _, g in grads])) \
-            if grads else []
+        norms = list(torch._foreach_norm([g.float() for _, g in grads])) if grads else []
         if any(hasattr(n, "full_tensor") for n in norms):   # FSDP2 / tensor-parallel gradients: one reduction
             try:
                 norms = list(full_value(torch.stack(norms)).unbind())
             except (RuntimeError, NotImplementedError):
                 norms = [full_value(n) for n in norms]
+        after: dict[str, torch.Tensor] = {}   # read after the per-layer gradient norms
         eps_share = self._adam_eps_share(optimizers)
-        upd: list[torch.Tensor] = []
+        if eps_share is not None:
+            after["optimizer/adam_v_below_eps"] = eps_share
         w0, g = self._w0, None
         pre, self._pre = self._pre, None
         if self.live and pre is not None and pre[0] == step - 1:   # the update of the step before, applied since
             w0, g = pre[1], pre[2]
         if w0 is not None:
             with torch.no_grad():
-                d = self._sample() - w0
-                g = self._sample(grads=True) if g is None else g
+                d = self.sample() - w0
+                g = self.sample(grads=True) if g is None else g
                 dn, gn = d.norm(), g.norm()
                 cos = -(d * g).sum() / (dn * gn).clamp_min(1e-30)
-                upd = [dn / w0.norm().clamp_min(1e-30), torch.where(gn > 0, cos, torch.nan)]
+                after["update/ratio"] = dn / w0.norm().clamp_min(1e-30)
+                after["update/cosine"] = torch.where(gn > 0, cos, torch.nan)
             self._w0 = None
-        extra = ([eps_share] if eps_share is not None else []) + upd
-        flat = torch.stack(vals + acts + list(norms) + extra).tolist() \
-            if vals or acts or len(norms) or extra else []
+        parts = [*stats.values(), *(a for _, a in self._acts), *norms, *after.values()]
+        rest = iter(torch.stack(parts).tolist() if parts else [])   # one sync, read back in the order stacked
         sample = Sample(step=step)
         v = sample.values
-        for key, x in zip(keys, flat):
-            v[key] = x
-        i = len(keys)
-        act_vals = flat[i:i + len(acts)]
-        i += len(acts)
-        if act_vals:
-            j = max(range(len(act_vals)), key=act_vals.__getitem__)
-            sample.closest = names[j]
-            top = act_vals[j]
-            dmax = torch.finfo(self.dtype).max if self.dtype is not None else torch.finfo(torch.float32).max
+        v.update(zip(stats, rest))
+        acts = [(n, next(rest)) for n, _ in self._acts]
+        if acts:
+            sample.closest, top = max(acts, key=lambda a: a[1])
             v["activations/max"] = top
             if self.short_range:
-                v["activations/headroom_bits"] = math.log2(dmax / top) if top > 0 else 128.0
-        layer_sq: dict[str, float] = {}
-        for (n, _), x in zip(grads, flat[i:i + len(grads)]):
-            layer_sq[_layer_of(n)] = layer_sq.get(_layer_of(n), 0.0) + x * x
-        i += len(grads)
+                v["activations/headroom_bits"] = math.log2(torch.finfo(self.dtype).max / top) if top > 0 else 128.0
+        layer_sq: defaultdict[str, float] = defaultdict(float)
+        for (n, _), x in zip(grads, rest):
+            layer_sq[_layer_of(n)] += x * x
         for layer, sq in layer_sq.items():
             v[f"{layer}/grad_norm"] = math.sqrt(sq)
-        if eps_share is not None:
-            v["optimizer/adam_v_below_eps"] = flat[i]
-            i += 1
-        if upd:
-            v["update/ratio"] = flat[i]
-            if len(upd) > 1:
-                v["update/cosine"] = flat[i + 1]
+        v.update(zip(after, rest))
         for key, x in (("train/loss", loss), ("grad/norm", grad_norm), ("optimizer/lr", lr), ("optimizer/loss_scale", scale)):
             if x is not None:
                 v[key] = float(x)
@@ -464,7 +432,7 @@ class Trend:
         """Every precursor out of its band now, independent ones first, then earliest."""
         c = self.cfg
         out: list[Signal] = []
-        dmax = torch.finfo(self.dtype).max if self.dtype is not None else torch.finfo(torch.float32).max
+        dmax = torch.finfo(self.dtype or torch.float32).max
         for key, pts in self.series.items():
             module, _, stat = key.rpartition("/")
             if stat != "max_logit" or len(pts) < 2:
@@ -759,12 +727,10 @@ class Trend:
             if sig.projected is None and not self.loss_rising():
                 continue
             self._warned = True
-            fixes = _WARN_FIXES.get(sig.mechanism, "")
             line = f"{sig.headline()}: {sig.mechanism.value}"
             if sig.projected is not None:
                 line += f"; the {_dtype_name(self.dtype)} max would be crossed {_steps(sig.projected)}"
-            if fixes:
-                line += f"; fixes: {fixes}"
+            line += f"; fixes: {_WARN_FIXES[sig.mechanism]}"
             w = {"step": step, "mechanism": sig.mechanism.value, "module": sig.module, "onset": sig.onset,
                  "projected_step": sig.projected[0] if sig.projected else None,
                  "projected_range": list(sig.projected) if sig.projected else None, "message": line}
@@ -772,12 +738,10 @@ class Trend:
             return w
         return None
 
-    def onset(self) -> int | None:
-        sigs = self.signals()
-        return sigs[0].onset if sigs else None
-
     def to_json(self, onset: int | None = None) -> dict[str, Any]:
-        return {"onset": onset if onset is not None else self.onset(),
+        if onset is None:
+            onset = next((sig.onset for sig in self.signals()), None)
+        return {"onset": onset,
                 "series": {k: [[s, _clean(x)] for s, x in pts] for k, pts in self.series.items()},
                 "warnings": list(self.warnings)}
 
