@@ -88,10 +88,8 @@ def sdpa_masked_row() -> dict[str, dict[str, str]]:
                 out[kind][name] = "unavailable"
                 continue
             row, grad = o[0, 0, 1].detach(), qq.grad[0, 0, 1]
-            if not (bool(torch.isfinite(row).all()) and bool(torch.isfinite(grad).all())):
-                out[kind][name] = "nan"
-            else:
-                out[kind][name] = "zero" if not bool(row.any()) and not bool(grad.any()) else "finite"
+            finite = bool(torch.isfinite(row).all()) and bool(torch.isfinite(grad).all())
+            out[kind][name] = "nan" if not finite else "finite" if bool(row.any()) or bool(grad.any()) else "zero"
     return out
 
 
@@ -446,22 +444,19 @@ def sample_rows(leaf: Leaf, bad: torch.Tensor, limit: int) -> tuple[int, ...]:
 
 
 def empty_problem(leaf: Leaf, step: int | None, max_examples: int) -> DataProblem | None:
-    key, shape = leaf.key, leaf.shape
+    key, shape, empty = leaf.key, leaf.shape, leaf.empty_samples
+
+    def problem(count: int, samples: tuple[int, ...], what: str) -> DataProblem:
+        return DataProblem(code="empty", level="error", step=step, key=key, count=count, samples=samples, value=None,
+                           message=f"{key} {what} is 0/0 = NaN")
     if leaf.ragged:
-        if not leaf.empty_samples:
-            return None
-        n = len(leaf.empty_samples)
-        return DataProblem(code="empty", level="error", step=step, key=key, count=n,
-                           samples=leaf.empty_samples[:max_examples], value=None,
-                           message=f"{key} holds {n} empty sequence(s) (sample {leaf.empty_samples[0]} has no "
-                                   "elements): a mean over it is 0/0 = NaN")
+        return problem(len(empty), empty[:max_examples], f"holds {len(empty)} empty sequence(s) (sample {empty[0]} "
+                       "has no elements): a mean over it") if empty else None
     if leaf.tensor.numel() == 0 and (len(shape) < 2 or shape[0] == 0):
-        return DataProblem(code="empty", level="error", step=step, key=key, count=0, samples=(), value=None,
-                           message=f"{key} is empty (shape {shape}): a mean over it is 0/0 = NaN")
+        return problem(0, (), f"is empty (shape {shape}): a mean over it")
     if len(shape) >= 2 and 0 in shape[1:]:
-        return DataProblem(code="empty", level="error", step=step, key=key, count=shape[0],
-                           samples=tuple(range(min(shape[0], max_examples))), value=None,
-                           message=f"{key} has zero-length sequences (shape {shape}): a mean over them is 0/0 = NaN")
+        return problem(shape[0], tuple(range(min(shape[0], max_examples))),
+                       f"has zero-length sequences (shape {shape}): a mean over them")
     return None
 
 
@@ -510,6 +505,10 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
                                samples=sample_rows(leaf, bad, max_examples), value=example,
                                message=message(c, example)))
 
+    def all_ignored(value: float, message: str) -> DataProblem:
+        return DataProblem(code="all_ignored", level="error", step=step, key=key, count=st.n, samples=(), value=value,
+                           message=message)
+
     def masked_rows(rows: torch.Tensor, where: str, verdict: tuple[str, str]) -> None:
         level, what = verdict
         add("masked_row" if level == "error" else "masked_row_sdpa", rows,
@@ -546,11 +545,8 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
                 st.all_ignored = True
                 st.min = st.max = None
         if st.all_ignored:
-            out.append(DataProblem(code="all_ignored", level="error", step=step, key=key, count=st.n, samples=(),
-                                   value=float(ignore_index),
-                                   message=f"every label in {key} is the ignore index {ignore_index}: a mean "
-                                           "cross-entropy over no labels is 0/0 = NaN"))
-            return out
+            return out + [all_ignored(float(ignore_index), f"every label in {key} is the ignore index {ignore_index}: "
+                                      "a mean cross-entropy over no labels is 0/0 = NaN")]
         if st.negative:
             neg = (x < 0) & (x != ignore_index)
             single = x[neg].unique().numel() == 1 if bool(neg.any()) else False
@@ -570,9 +566,8 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
             masked_rows(m.all(-1) if role == PAD_MASK else ~m.any(-1), "", _masked_row_verdict("bool"))
     elif role == LOSS_MASK:
         if st.ignored == st.n:
-            out.append(DataProblem(code="all_ignored", level="error", step=step, key=key, count=st.n, samples=(),
-                                   value=0.0, message=f"{key} is zero everywhere: a loss averaged over the masked "
-                                                      "positions is 0/0 = NaN"))
+            out.append(all_ignored(0.0, f"{key} is zero everywhere: a loss averaged over the masked positions is "
+                                        "0/0 = NaN"))
     return out
 
 

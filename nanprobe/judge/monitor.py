@@ -374,6 +374,10 @@ class Trend:
         if sample.closest:
             self.closest.append((sample.step, sample.closest))
 
+    def _closest(self, step: int | None = None) -> str | None:
+        """The module closest to the dtype's max at ``step`` (else at the last sample that named one)."""
+        return dict(self.closest).get(step) or (self.closest[-1][1] if self.closest else None)
+
     # -- bands: the run's own healthy level -------------------------------------------------------------
     def warmup_end(self) -> int | None:
         """The step the LR stopped rising, when it rose at the start (a warm-up), else None. While the LR
@@ -506,7 +510,7 @@ class Trend:
             step, last = head[-1]
             if last < c.headroom_bits:
                 onset = next((s for s, x in head if x < c.headroom_bits + 3), step)
-                who = self.closest[-1][1] if self.closest else None
+                who = self._closest()
                 out.append(Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=who, onset=onset,
                                   evidence=(f"activations {last:.1f} bits below the {_dtype_name(self.dtype)} max "
                                             f"at step {step} (from {head[0][1]:.1f} bits at step {head[0][0]})",)))
@@ -517,7 +521,7 @@ class Trend:
             cut = c.growth_factor * max(base, 1e-6)
             onset = self._exit(acts, lambda x: x > cut, start) if last > cut else None
             if onset is not None:
-                who = dict(self.closest).get(step) or (self.closest[-1][1] if self.closest else None)
+                who = self._closest(step)
                 out.append(Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=who, onset=onset,
                                   evidence=(f"the largest activation grew from {_fmt(base)} (its level from step "
                                             f"{start}) to {_fmt(last)} by step {step} ({last / base:.0f}x, in "
@@ -550,11 +554,8 @@ class Trend:
         cos = [(s, x) for s, x in self.series.get("update/cosine", []) if math.isfinite(x)]
         # sustained: momentum turns single updates against a noisy gradient now and then, never for long
         up = self._exit(cos, lambda x: x < -0.2, 0, m=ASCENT_SAMPLES) if len(cos) >= ASCENT_SAMPLES else None
-        if up is not None:
-            i = next(i for i, (s, _) in enumerate(cos) if s == up)
-            if sum(x for _, x in cos[i:i + ASCENT_SAMPLES]) / ASCENT_SAMPLES > -0.3:
-                up = None
-        if up is not None:
+        i = next((i for i, (s, _) in enumerate(cos) if s == up), 0)
+        if up is not None and sum(x for _, x in cos[i:i + ASCENT_SAMPLES]) / ASCENT_SAMPLES <= -0.3:
             at = dict(cos)[up]
             lr = self.lr_at(up)
             out.append(Signal(mechanism=Mechanism.LR_SCHEDULE, module=None, onset=up, evidence=(
@@ -594,10 +595,8 @@ class Trend:
         """An independent precursor behind a loss that broke away from its best level at ``best_step``
         (``Judge.behind``): one out of its band by ``step``, or one that grew ``growth_factor`` times (past its
         absolute limit) from its level where the loss was best. None when nothing stands behind the rise."""
-        for sig in self.signals():
-            if sig.independent and sig.onset <= step:
-                return sig
-        return self._grew_since(best_step) if best_step is not None else None
+        sig = next((s for s in self.signals() if s.independent and s.onset <= step), None)
+        return self._grew_since(best_step) if sig is None and best_step is not None else sig
 
     def _at(self, pts: list[tuple[int, float]], best: int) -> list[float]:
         """A series' last ``baseline_samples`` values up to ``best`` (its level where the loss was at its best)."""
@@ -684,7 +683,7 @@ class Trend:
             cut = c.growth_factor ** 2 * base
             if last >= cut:
                 onset = self._exit(acts, lambda x: x > c.growth_factor * base, best) or step
-                who = dict(self.closest).get(step) or (self.closest[-1][1] if self.closest else None)
+                who = self._closest(step)
                 return Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=who, onset=onset, evidence=(
                     f"the largest activation grew from {_fmt(base)} where the loss was at its best (step {best}) to "
                     f"{_fmt(last)} by step {step} ({last / base:.0f}x, in {who}); past {_fmt(c.growth_factor * base)} "
@@ -693,26 +692,20 @@ class Trend:
 
     def lr_note(self, onset: int) -> str | None:
         """What the LR was doing at the onset, in words from its direction (and the update that was applied)."""
-        lr = self.series.get("optimizer/lr")
-        if not lr:
-            return None
-        at = [(s, x) for s, x in lr if s <= onset]
+        lr = self.series.get("optimizer/lr", [])
+        at = [x for s, x in lr if s <= onset]
         if not at:
             return None
-        s_on, now = at[-1]
-        first = lr[0][1]
-        prev = at[-3][1] if len(at) >= 3 else first
-        peak = max(x for _, x in lr)
-        applied = ""
+        now, first, peak = at[-1], lr[0][1], max(x for _, x in lr)
+        prev = at[-3] if len(at) >= 3 else first
         ratio = [x for s, x in self.series.get("update/ratio", []) if s <= onset]
-        if ratio:
-            applied = f"; the update moved the weights by {ratio[-1]:.2g} of their norm (|dw|/|w|)"
+        applied = f"; the update moved the weights by {ratio[-1]:.2g} of their norm (|dw|/|w|)" if ratio else ""
         if now > prev * 1.001:
             return (f"began while the LR was rising (LR {now:.3g} at step {onset}, from {first:.3g}; peak "
                     f"{peak:.3g}){applied}: a lower peak LR or a longer warm-up delays it")
         if now < prev * 0.999:
             return f"began while the LR was decaying (LR {now:.3g} at step {onset}, from a peak of {peak:.3g}){applied}"
-        if max(x for _, x in lr) <= min(x for _, x in lr) * 1.001:
+        if peak <= min(x for _, x in lr) * 1.001:
             return f"LR {now:.3g}, constant{applied}"
         return f"LR {now:.3g} at step {onset} (peak {peak:.3g}){applied}"
 
