@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..base.config import MonitorConfig
 from ..base.report import Mechanism
-from ..base.sharding import full_value
+from ..base.sharding import full_value, local_value
 
 _ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
@@ -312,17 +312,12 @@ class Monitor:
                 eps = group.get("eps")
                 if not isinstance(eps, (int, float)) or "betas" not in group:
                     continue
-                for p in group["params"]:
-                    st = opt.state.get(p, {})
-                    v = st.get("exp_avg_sq")
-                    if hasattr(v, "to_local"):   # FSDP2: this rank's shard (a share needs no reduction)
-                        v = v.to_local()
+                for p in group["params"]:   # FSDP2: this rank's shard (a share needs no reduction)
+                    v = local_value(opt.state.get(p, {}).get("exp_avg_sq"))
                     if isinstance(v, torch.Tensor) and v.numel():
                         below.append((v < eps * eps).sum())   # sqrt(v) < eps, without a sqrt pass
                         total += v.numel()
-        if not below:
-            return None
-        return torch.stack(below).sum().float() / total
+        return torch.stack(below).sum().float() / total if below else None
 
 
 # -- reading the series: onset, mechanism, warning ------------------------------------------------------
@@ -712,24 +707,20 @@ class Trend:
     def warn(self, step: int) -> dict[str, Any] | None:
         """The early warning, once per run: an independent precursor trending toward failure, with a second
         sign that it is one: a dtype limit it is projected to cross, or a loss that stopped improving."""
-        if self._warned:
+        sig = None if self._warned else next((s for s in self.signals() if s.independent and s.mechanism in _WARN_FIXES
+                                              and (s.projected is not None or self.loss_rising())), None)
+        if sig is None:
             return None
-        for sig in self.signals():
-            if not sig.independent or sig.mechanism not in _WARN_FIXES:
-                continue
-            if sig.projected is None and not self.loss_rising():
-                continue
-            self._warned = True
-            line = f"{sig.headline()}: {sig.mechanism.value}"
-            if sig.projected is not None:
-                line += f"; the {_dtype_name(self.dtype)} max would be crossed {_steps(sig.projected)}"
-            line += f"; fixes: {_WARN_FIXES[sig.mechanism]}"
-            w = {"step": step, "mechanism": sig.mechanism.value, "module": sig.module, "onset": sig.onset,
-                 "projected_step": sig.projected[0] if sig.projected else None,
-                 "projected_range": list(sig.projected) if sig.projected else None, "message": line}
-            self.warnings.append(w)
-            return w
-        return None
+        self._warned = True
+        line = f"{sig.headline()}: {sig.mechanism.value}"
+        if sig.projected is not None:
+            line += f"; the {_dtype_name(self.dtype)} max would be crossed {_steps(sig.projected)}"
+        line += f"; fixes: {_WARN_FIXES[sig.mechanism]}"
+        w = {"step": step, "mechanism": sig.mechanism.value, "module": sig.module, "onset": sig.onset,
+             "projected_step": sig.projected[0] if sig.projected else None,
+             "projected_range": list(sig.projected) if sig.projected else None, "message": line}
+        self.warnings.append(w)
+        return w
 
     def to_json(self, onset: int | None = None) -> dict[str, Any]:
         if onset is None:

@@ -90,6 +90,10 @@ def batch_shift(items: list[Any], before: list[list[Any]], *, step: int, factor:
 def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, factor: float,
            max_examples: int) -> DataProblem | None:
     n = len(seen)
+
+    def shift(count: int, samples: tuple[int, ...], value: float | None, message: str) -> DataProblem:
+        return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=count, samples=samples,
+                           value=value, message=message)
     if st.rms is not None:
         rms = [s.rms for s in seen if s.rms is not None]
         tops = [s.absmax for s in seen if s.absmax is not None]
@@ -101,20 +105,17 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
             hit = torch.isfinite(x) & (x.abs() > top)
             mid = sorted(rms)[len(rms) // 2]
             ratio = st.rms / mid if mid > 0 else float("inf")
-            return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=int(hit.sum()),
-                               samples=() if leaf.ragged else sample_rows(leaf, hit, max_examples), value=st.absmax,
-                               message=(f"{leaf.key} is {ratio:.3g}x its usual size in this batch" if st.rms > factor * hi
-                                        else f"{leaf.key} holds values {st.absmax / top:.3g}x beyond its usual range")
-                               + f" (rms {st.rms:.3g}, |x| up to {st.absmax:.3g}; the {n} batches before: rms "
-                                 f"{lo:.3g}..{hi:.3g}, |x| up to {top:.3g})")
+            return shift(int(hit.sum()), () if leaf.ragged else sample_rows(leaf, hit, max_examples), st.absmax,
+                         (f"{leaf.key} is {ratio:.3g}x its usual size in this batch" if st.rms > factor * hi
+                          else f"{leaf.key} holds values {st.absmax / top:.3g}x beyond its usual range")
+                         + f" (rms {st.rms:.3g}, |x| up to {st.absmax:.3g}; the {n} batches before: rms "
+                           f"{lo:.3g}..{hi:.3g}, |x| up to {top:.3g})")
         if lo > 0 and st.rms * factor < lo:
             # a key with no spread in this batch (one sample normalised by its own mean, all zeros) has rms 0
             smaller = f"{lo / st.rms:.3g}x smaller than" if st.rms > 0 else "all zeros, unlike"
-            return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=leaf.tensor.numel(),
-                               samples=tuple(range(min(max_examples, leaf.shape[0] if leaf.shape else 0))),
-                               value=st.rms,
-                               message=f"{leaf.key} is {smaller} any of the {n} batches "
-                                       f"before (rms {st.rms:.3g} vs {lo:.3g}..{hi:.3g})")
+            return shift(leaf.tensor.numel(), tuple(range(min(max_examples, leaf.shape[0] if leaf.shape else 0))),
+                         st.rms, f"{leaf.key} is {smaller} any of the {n} batches before (rms {st.rms:.3g} vs "
+                                 f"{lo:.3g}..{hi:.3g})")
         return None
     if st.length is not None:
         lengths = [s.length for s in seen if s.length is not None]
@@ -122,15 +123,11 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
             return None
         lo, hi = min(lengths), max(lengths)
         if st.length > factor * hi or (lo > 0 and st.length * factor < lo):
-            return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=leaf.shape[0],
-                               samples=(), value=st.length,
-                               message=f"{leaf.key}: the mean length per sample is {st.length:.3g} in this batch, "
-                                       f"{lo:.3g}..{hi:.3g} in the {n} batches before")
+            return shift(leaf.shape[0], (), st.length, f"{leaf.key}: the mean length per sample is {st.length:.3g} "
+                                                       f"in this batch, {lo:.3g}..{hi:.3g} in the {n} batches before")
         return None
     if st.labels:
-        pooled: Counter = Counter()
-        for s in seen:
-            pooled.update(s.labels)
+        pooled = sum((s.labels for s in seen), Counter())
         dist = _tv(st.labels, pooled)
         usual = max((_tv(s.labels, pooled) for s in seen if s.labels), default=0.0)
         if dist > 1 - 1 / factor and dist > 2 * usual:
@@ -139,11 +136,9 @@ def _judge(leaf: Leaf, st: _KeyStats, seen: list[_KeyStats], *, step: int, facto
             hit = torch.isin(x, torch.tensor(new, dtype=x.dtype, device=x.device)) if new else \
                 torch.zeros_like(x, dtype=torch.bool)
             what = f"labels never seen before ({', '.join(map(str, new[:5]))})" if new else "other label shares"
-            return DataProblem(code="shift", level="warning", step=step, key=leaf.key, count=int(hit.sum()),
-                               samples=sample_rows(leaf, hit, max_examples), value=float(new[0]) if new else None,
-                               message=f"{leaf.key} holds {what}: its label histogram differs from the {n} batches "
-                                       f"before by {dist:.2f} (total variation; those batches differ by at most "
-                                       f"{usual:.2f})")
+            return shift(int(hit.sum()), sample_rows(leaf, hit, max_examples), float(new[0]) if new else None,
+                         f"{leaf.key} holds {what}: its label histogram differs from the {n} batches before by "
+                         f"{dist:.2f} (total variation; those batches differ by at most {usual:.2f})")
     return None
 
 
