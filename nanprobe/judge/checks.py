@@ -128,35 +128,23 @@ class Leaf:
         return self.starts is not None
 
 
-_ROLES: dict[tuple, str] = {}
-
-
-def _role(path: str, t: torch.Tensor) -> str:
-    key = (path, t.dtype, t.dim(), t.layout)
-    role = _ROLES.get(key)
-    if role is None:
-        if len(_ROLES) > 4096:
-            _ROLES.clear()
-        role = _ROLES[key] = _find_role(path, t)
-    return role
-
-
-def _find_role(path: str, t: torch.Tensor) -> str:
-    if t.is_sparse or t.is_complex() or t.layout != torch.strided:
+@functools.lru_cache(maxsize=4096)
+def _role(path: str, dtype: torch.dtype, dim: int, layout: torch.layout) -> str:
+    if dtype.is_complex or layout != torch.strided:   # sparse, complex: skipped
         return OTHER
     name = key_name(path)
-    if t.dim() >= 2 and not t.is_floating_point() and PAD_KEYS.search(name):
+    if dim >= 2 and not dtype.is_floating_point and PAD_KEYS.search(name):
         return PAD_MASK
     mask, loss_mask = MASK_KEYS.search(name), LOSS_MASK_KEYS.search(name)
-    if t.is_floating_point():
-        return FLOAT_MASK if mask and t.dim() >= 2 and not loss_mask else FLOAT
+    if dtype.is_floating_point:
+        return FLOAT_MASK if mask and dim >= 2 and not loss_mask else FLOAT
     if mask:
         if loss_mask:
             return LOSS_MASK
-        if t.dim() < 2:
-            return BOOL if t.dtype == torch.bool else INT
+        if dim < 2:
+            return BOOL if dtype == torch.bool else INT
         return PAD_MASK if "pad" in name.lower() else MASK
-    if t.dtype == torch.bool:
+    if dtype == torch.bool:
         return BOOL
     return LABEL if LABEL_KEYS.search(name) else INT
 
@@ -178,9 +166,8 @@ def _ragged_leaf(path: str, items: Sequence[torch.Tensor]) -> Leaf:
     numels = [v.numel() for v in items]
     flat = torch.cat([v.detach().reshape(-1) for v in items])
     starts = torch.tensor([0] + numels[:-1], device=flat.device).cumsum(0)
-    hi = tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
-    lo = tuple(min(s[d] for s in shapes) for d in range(len(shapes[0])))
-    role = _role(path, items[0])
+    hi, lo = tuple(map(max, zip(*shapes))), tuple(map(min, zip(*shapes)))   # per axis, over the samples
+    role = _role(path, items[0].dtype, items[0].dim(), items[0].layout)
     if role in (MASK, PAD_MASK, FLOAT_MASK):   # per-sample masks: a sample's rows are its last axis
         role = FLOAT if role == FLOAT_MASK else INT
     return Leaf(key=path, tensor=flat, role=role, shape=(len(items),) + hi, shape_min=(len(items),) + lo,
@@ -202,7 +189,8 @@ def leaves(batch: Any) -> list[Leaf]:
 
 def _tensor_leaf(path: str, obj: torch.Tensor, role: str | None = None) -> Leaf:
     t = obj.detach() if obj.requires_grad else obj
-    return Leaf(key=path, tensor=t, role=role or _role(path, t), shape=t.shape, shape_min=t.shape)
+    return Leaf(key=path, tensor=t, role=role or _role(path, t.dtype, t.dim(), t.layout), shape=t.shape,
+                shape_min=t.shape)
 
 
 def _walk(obj: Any, path: str, out: list[Leaf], tuple_label: int, *, top: bool = False) -> None:
@@ -415,7 +403,9 @@ def _measure(items: list[Leaf], ignore_index: int, extra: Sequence[torch.Tensor]
     return stats, values[pos:]
 
 
-_ZERO64: dict[torch.device, torch.Tensor] = {}
+@functools.cache
+def _zero64(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 def _read(parts: list[torch.Tensor]) -> list[float]:
@@ -424,10 +414,7 @@ def _read(parts: list[torch.Tensor]) -> list[float]:
         return [p.item() for p in parts]
     if device.type == "mps":
         return torch.stack([p.float() for p in parts]).tolist()
-    zero = _ZERO64.get(device)
-    if zero is None:
-        zero = _ZERO64[device] = torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([*parts, zero]).tolist()[:-1]   # the float64 zero makes the stack float64
+    return torch.stack([*parts, _zero64(device)]).tolist()[:-1]   # the float64 zero makes the stack float64
 
 
 # -- problems --------------------------------------------------------------------------------------

@@ -139,9 +139,8 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module, cfg: MonitorConfig, *, dtype: torch.dtype | None = None,
                  every: int | None = None, activations: bool = False, live: bool = False):
-        self.model, self.cfg = model, cfg
+        self.cfg, self.dtype = cfg, dtype
         self.every = max(1, every if every is not None else cfg.every)
-        self.dtype = dtype
         self.attention = attention_modules(model)
         self.output = next(((n, m) for n, m in reversed(list(model.named_modules()))
                             if isinstance(m, torch.nn.Linear)), None)   # the last Linear: the output head
@@ -568,8 +567,7 @@ class Trend:
         lr = self.series.get("optimizer/lr", [])
         loss = self.series.get("train/loss", [])
         if len(lr) >= 3 and len(loss) >= 3:
-            vals = [x for _, x in loss]
-            lv = _levels(vals)
+            lv = _levels([x for _, x in loss])
             # the loss's best level: the break-away's (every step, a window of 10) where the judge found one
             b = self.best_step if self.best_step is not None else loss[min(range(len(lv)), key=lv.__getitem__)][0]
             at_best, now = self.lr_at(b - 1) or self.lr_at(b), lr[-1][1]   # the LR the best level was reached with
