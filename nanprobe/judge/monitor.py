@@ -483,7 +483,7 @@ class Trend:
             # top logit (54 on a 10-class head is confidence, not divergence). What diverges is the logits' mean,
             # the part no softmax sees: log Z counts when it is past its band above log C and the mean moved too.
             module = key.rsplit("/", 1)[0]
-            ex = [(s, abs(x - log_c)) for s, x in pts]
+            ex = self._excess(key)
             base, start = self._band(ex, c.output_logsumexp_limit)
             step, last = _recent_peak(ex)
             cut = max(c.output_logsumexp_limit, c.growth_factor * max(base, 1.0))
@@ -591,6 +591,11 @@ class Trend:
         sig = next((s for s in self.signals() if s.independent and s.onset <= step), None)
         return self._grew_since(best_step) if sig is None and best_step is not None else sig
 
+    def _excess(self, key: str) -> list[tuple[int, float]]:
+        """A series against its resting level: output log Z above log(classes); the others (all >= 0) as they are."""
+        log_c = math.log(self.classes) if self.classes and key.endswith("/logsumexp") else 0.0
+        return [(s, abs(x - log_c)) for s, x in self.series.get(key, [])]
+
     def _at(self, pts: list[tuple[int, float]], best: int) -> list[float]:
         """A series' last ``baseline_samples`` values up to ``best`` (its level where the loss was at its best)."""
         return [x for s, x in pts if s <= best][-max(self.cfg.baseline_samples, 1):]
@@ -626,12 +631,9 @@ class Trend:
         """For a run that broke away from its best level at step ``best``: the first sustained exit of ``sig``'s
         series from its level there (the end of the run's healthy stretch), growth_factor x the smallest of its
         last samples up to ``best``. None where the series gives none (entropy, the LR: their own onsets stand)."""
-        pts = self.series.get(sig.key or "", [])
-        stat = (sig.key or "").rpartition("/")[2]
-        if stat not in ("max_logit", "logsumexp", "max") or len(pts) < 3:
+        vals = self._excess(sig.key or "")
+        if (sig.key or "").rpartition("/")[2] not in ("max_logit", "logsumexp", "max") or len(vals) < 3:
             return None
-        log_c = math.log(self.classes) if self.classes and stat == "logsumexp" else 0.0
-        vals = [(s, abs(x - log_c)) for s, x in pts]
         ref = self._at(vals, best)
         if not ref:
             return None
@@ -642,18 +644,15 @@ class Trend:
         """A precursor that left the level it had where the loss was best (the healthy stretch of a run that
         broke away early, before any band after warm-up could form)."""
         c = self.cfg
-        log_c = math.log(self.classes) if self.classes else 0.0
-        for key, pts in self.series.items():
+        grows = {"max_logit": (c.attention_logit_limit, Mechanism.ATTENTION_LOGIT_GROWTH, "attention logits"),
+                 "logsumexp": (c.output_logsumexp_limit, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
+                               f"output log Z (above log {self.classes} classes)")}
+        for key in self.series:
             module, _, stat = key.rpartition("/")
-            if stat == "max_logit":
-                limit, mech, f = c.attention_logit_limit, Mechanism.ATTENTION_LOGIT_GROWTH, (lambda x: x)
-                what = "attention logits"
-            elif stat == "logsumexp":
-                limit, mech, f = c.output_logsumexp_limit, Mechanism.OUTPUT_LOGIT_DIVERGENCE, (lambda x: abs(x - log_c))
-                what = f"output log Z (above log {self.classes} classes)"
-            else:
+            if stat not in grows:
                 continue
-            vals = [(s, f(x)) for s, x in pts]
+            limit, mech, what = grows[stat]
+            vals = self._excess(key)
             ref = self._at(vals, best)
             if not ref or len(vals) < 3:
                 continue
