@@ -536,14 +536,11 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
                                       "a mean cross-entropy over no labels is 0/0 = NaN")]
         if st.negative:
             neg = (x < 0) & (x != ignore_index)
-            single = x[neg].unique().numel() == 1 if bool(neg.any()) else False
-
-            def negative_message(c, e):
-                text = f"{key} holds {c} negative label(s) (e.g. {e:g}) other than the ignore index {ignore_index}"
-                if single:   # one repeated value: most likely the loss's own ignore index (minGPT, nanoGPT: -1)
-                    text += f"; if your loss ignores {e:g}, say so: \"ignore_index\": {e:g} in the target"
-                return text
-            add("label_negative", neg, negative_message)
+            # one repeated value: most likely the loss's own ignore index (minGPT, nanoGPT: -1)
+            single = bool(neg.any()) and x[neg].unique().numel() == 1
+            hint = '; if your loss ignores {0:g}, say so: "ignore_index": {0:g} in the target' if single else ""
+            add("label_negative", neg, lambda c, e: f"{key} holds {c} negative label(s) (e.g. {e:g}) other than the "
+                                                    f"ignore index {ignore_index}" + hint.format(e))
         if num_classes is not None and st.max is not None and st.max >= num_classes:
             add("label_out_of_range", (x >= num_classes) & (x != ignore_index),
                 lambda c, e: f"{key} holds {c} label(s) >= num_classes {num_classes} (e.g. {e:g})")

@@ -499,15 +499,13 @@ class Trend:
                                                      f"{_fmt(drift)}; past {_fmt(cut)} above log C from step "
                                                      f"{onset}",),
                               growth=last / max(base, 1.0), key=key))
-        head = self.series.get("activations/headroom_bits")
-        if head and self.dtype in (torch.float16,) and len(head) > 1:
+        head = self.series.get("activations/headroom_bits", [])
+        if self.dtype == torch.float16 and len(head) > 1 and head[-1][1] < c.headroom_bits:
             step, last = head[-1]
-            if last < c.headroom_bits:
-                onset = next((s for s, x in head if x < c.headroom_bits + 3), step)
-                who = self._closest()
-                out.append(Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=who, onset=onset,
-                                  evidence=(f"activations {last:.1f} bits below the {_dtype_name(self.dtype)} max "
-                                            f"at step {step} (from {head[0][1]:.1f} bits at step {head[0][0]})",)))
+            onset = next((s for s, x in head if x < c.headroom_bits + 3), step)
+            out.append(Signal(mechanism=Mechanism.ACTIVATION_GROWTH, module=self._closest(), onset=onset,
+                              evidence=(f"activations {last:.1f} bits below the {_dtype_name(self.dtype)} max "
+                                        f"at step {step} (from {head[0][1]:.1f} bits at step {head[0][0]})",)))
         acts = self.series.get("activations/max")
         if acts and len(acts) >= 4 and not any(s.mechanism is Mechanism.ACTIVATION_GROWTH for s in out):
             base, start = self._band(acts)
