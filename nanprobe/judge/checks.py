@@ -156,9 +156,8 @@ def is_ragged(items: Sequence[Any], top: bool) -> bool:
     if first.dim() == 0 or any(v.dtype != first.dtype or v.dim() != first.dim() or v.device != first.device
                                for v in items):
         return False
-    if all(v.shape == first.shape for v in items):
-        return False
-    return len(items) >= 3 or not top   # a top-level (x, y) pair is two fields, not two samples
+    # a top-level (x, y) pair is two fields, not two samples
+    return any(v.shape != first.shape for v in items) and (len(items) >= 3 or not top)
 
 
 def _ragged_leaf(path: str, items: Sequence[torch.Tensor]) -> Leaf:

@@ -376,13 +376,10 @@ class Trend:
     def warmup_end(self) -> int | None:
         """The step the LR stopped rising, when it rose at the start (a warm-up), else None. While the LR
         is still rising, the last sample's step."""
-        lr = self.series.get("optimizer/lr")
-        if not lr or len(lr) < 2 or lr[1][1] <= lr[0][1] * (1 + 1e-6):
+        lr = self.series.get("optimizer/lr", [])
+        if len(lr) < 2 or lr[1][1] <= lr[0][1] * (1 + 1e-6):
             return None
-        for (s0, a), (_, b) in zip(lr, lr[1:]):
-            if b <= a * (1 + 1e-6):
-                return s0
-        return lr[-1][0]
+        return next((s0 for (s0, a), (_, b) in zip(lr, lr[1:]) if b <= a * (1 + 1e-6)), lr[-1][0])
 
     def _band(self, pts: list[tuple[int, float]], limit: float | None = None) -> tuple[float, int]:
         """(the statistic's healthy level, the step its band starts): its level once warm-up is over, over
@@ -408,11 +405,7 @@ class Trend:
         """The first step from ``start`` whose sample and the ``m - 1`` after it (all there are, near the
         end) are outside the band: a sustained exit, not one sample."""
         tail = [(s, x) for s, x in pts if s >= start]
-        for i, (s, _) in enumerate(tail):
-            run = tail[i:i + m]
-            if all(above(x) for _, x in run):
-                return s
-        return None
+        return next((s for i, (s, _) in enumerate(tail) if all(above(x) for _, x in tail[i:i + m])), None)
 
     def loss_rising(self) -> bool:
         """The monitored loss has left its best level (median of 5 samples) by more than its noise and 5%."""
