@@ -152,3 +152,16 @@ def first_nonfinite_update(run) -> int:
     finally:
         handle.remove()
     return seen[0]
+
+
+def tb_scalars(logdir: Path) -> dict[str, list[int]]:
+    """Tag -> steps of the scalars in a TensorBoard log dir (every event file below it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, list[int]] = {}
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
+    return tags

@@ -186,7 +186,8 @@ class Monitor:
         for name, m in self.attention:
             mode = _AttentionMode(self._sink, name)
             self._handles.append(m.register_forward_pre_hook(mode.pre_hook))
-            self._handles.append(m.register_forward_hook(mode.post_hook))
+            # always_call: an attention forward that raises leaves the mode (else it would intercept every later op)
+            self._handles.append(m.register_forward_hook(mode.post_hook, always_call=True))
         if self.output is not None:
             self._handles.append(self.output[1].register_forward_hook(self._output_hook))
         if self.short_range or step % max(ACTIVATIONS_EVERY, self.every) == 0:

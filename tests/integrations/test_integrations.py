@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import tb_scalars
 from nanprobe.capsule import read
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -427,7 +428,6 @@ def test_transformers_logs_the_precursor_curves_through_report_to(tmp_path):
     """With report_to (here TensorBoard) the precursor series go through Trainer.log beside the loss."""
     pytest.importorskip("tensorboard", reason="the [tensorboard] extra: pip install -e '.[tensorboard]'")
     from nanprobe.integrations.transformers import NanprobeCallback
-    from test_watch import _scalars
 
     model = _gpt2()
     cb = NanprobeCallback(dirpath=tmp_path / "reports")
@@ -436,7 +436,7 @@ def test_transformers_logs_the_precursor_curves_through_report_to(tmp_path):
                                           logging_steps=1, save_strategy="no",
                                           seed=0, learning_rate=1e-3, disable_tqdm=True)
     transformers.Trainer(model=model, args=args, train_dataset=SFTData(cut=(2,)), callbacks=[cb]).train()
-    tags = _scalars(tmp_path / "out")
+    tags = tb_scalars(tmp_path / "out")
     curves = [t for t in tags if t.startswith("train/nanprobe/") and t.endswith("/max_logit")]
     assert curves and "train/loss" in tags, sorted(tags)   # the attention logits beside the loss
 

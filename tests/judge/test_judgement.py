@@ -318,3 +318,25 @@ def test_a_warm_up_fix_spans_the_run_it_is_for():
     from nanprobe.remedy.fixes import warmup_steps
     assert [warmup_steps(SimpleNamespace(reached=SimpleNamespace(step=n))) for n in (3, 200, 400, 10_000)] \
         == [10, 100, 200, 1000]
+
+
+def test_an_attention_forward_that_raises_leaves_no_monitor_mode_behind():
+    """The monitor reads attention logits through a TorchFunctionMode entered in the attention module's
+    forward pre-hook. A forward that raises (masked_fill(-1e9) on fp16 scores) must still leave it: left
+    entered, it intercepted every later op of the process (a later diagnosis checked its statistics too)."""
+
+    class SelfAttention(torch.nn.Module):
+        def forward(self, x):
+            torch.softmax(x @ x.transpose(-2, -1), -1)
+            raise RuntimeError("value cannot be converted to type at::Half without overflow")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), SelfAttention())
+    mon = Monitor(model, MonitorConfig(), every=1)
+    before = torch._C._len_torch_function_stack()
+    assert mon.begin(0) and mon.attention
+    try:
+        model(torch.randn(2, 3, 4))
+    except RuntimeError:
+        pass
+    mon.abort()
+    assert torch._C._len_torch_function_stack() == before

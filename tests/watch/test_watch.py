@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
-from conftest import first_nonfinite_update, free_port, leave_worker
+from conftest import first_nonfinite_update, free_port, leave_worker, tb_scalars
 from nanprobe.capsule import read
 from nanprobe.surface.cli import app
 from nanprobe.pipeline.diagnose import diagnose
@@ -355,25 +355,12 @@ def test_watch_reports_a_live_slow_divergence(tmp_path):
     assert healthy.exit_code == 0 and healthy.steps > 0 and healthy.events == (), healthy.events
 
 
-def _scalars(logdir: Path) -> dict[str, list[int]]:
-    """Tag -> steps of the scalars in a TensorBoard log dir (every event file below it)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tags: dict[str, list[int]] = {}
-    for events in sorted(logdir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events))
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            tags.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
-    return tags
-
-
 def test_watch_logs_the_precursor_curves_to_the_scripts_own_tensorboard_writer(tmp_path):
     pytest.importorskip("tensorboard", reason="the [tensorboard] extra: pip install -e '.[tensorboard]'")
     logdir = tmp_path / "tb"
     result = watch(["python", str(WATCH / "tensorboard_classifier.py"), str(logdir)], dirpath=tmp_path / "reports")
     assert result.exit_code == 0 and result.steps == 25 and result.events == ()
-    tags = _scalars(logdir)
+    tags = tb_scalars(logdir)
     assert tags["loss"] == list(range(25))   # the script's own scalar, as it wrote it
     # every monitored step (monitor.live_every 10; step 0's forward ran before the optimizer was known, so the
     # first step after it is monitored: the level a run that breaks away early is judged against)

@@ -5,7 +5,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integrations"))
 
 from test_integrations import SFTData, _gpt2, _hf_trainer  # noqa: E402
 
