@@ -75,10 +75,9 @@ def epoch_length(batches: Any) -> int | None:
     if is_callable_batches(batches):
         return None
     try:
-        n = len(batches)
+        return len(batches)   # an int >= 0, or it raises
     except (TypeError, NotImplementedError):
         return None
-    return n if isinstance(n, int) and n >= 0 else None
 
 
 class Stream:
@@ -117,27 +116,22 @@ class Stream:
 
     def _fetch(self) -> tuple[bool, Any]:
         """The next item of the current epoch: ``(True, item)``, or ``(False, None)`` at its end."""
+        i = self._item
         if self.callable:
-            i = self._item
-            try:
-                item = call_user(f"batches({i})", self.batches, i)
-            except UserCodeError as exc:
-                if isinstance(exc.exc, (IndexError, StopIteration)):
-                    self._ended = True
-                    self.end_note = f"batches({i}) raised {type(exc.exc).__name__}: taken as the end of the data"
-                    return False, None
-                raise DataLoadError(exc.during, exc.exc) from exc.exc
-            self._item += 1
-            return True, item
-        if self._ended or self._it is None:
+            during, fn, arg, ends = f"batches({i})", self.batches, i, (IndexError, StopIteration)
+        elif self._ended or self._it is None:
             return False, None
+        else:
+            during, fn, arg, ends = "next(batches)", next, self._it, StopIteration
         try:
-            item = call_user("next(batches)", next, self._it)
+            item = call_user(during, fn, arg)
         except UserCodeError as exc:
-            if isinstance(exc.exc, StopIteration):
-                self._ended = True
-                return False, None
-            raise DataLoadError(exc.during, exc.exc) from exc.exc
+            if not isinstance(exc.exc, ends):
+                raise DataLoadError(exc.during, exc.exc) from exc.exc
+            self._ended = True
+            if self.callable:
+                self.end_note = f"batches({i}) raised {type(exc.exc).__name__}: taken as the end of the data"
+            return False, None
         self._item += 1
         return True, item
 
@@ -161,8 +155,7 @@ class Stream:
     def skip(self, step: int) -> None:
         """Consume the items of every step before ``step`` without training (after a user checkpoint)."""
         while self.next_step < step:
-            feed = self.open(self.next_step)
-            feed.finish()
+            self.open(self.next_step).finish()
 
 
 class LiveFeed:
@@ -188,14 +181,13 @@ class LiveFeed:
         """Fetch the step's next micro-batch; False at the step's end or the data's. (An item may be None: a
         step_fn that makes its own data, as RL loops do, is given ``batches=lambda step: None``.)"""
         s = self.stream
-        if len(self._live) >= s.accumulate:
+        if self._done or len(self._live) >= s.accumulate:
             self._done = True
             return False
         ok, item = s._fetch()
-        if not ok and not self._live:   # the epoch ended before this step: the next epoch starts it
-            if s._start_epoch():
-                self._epoch, self._index, self._first_item = s.epoch, s._index, s._item
-                ok, item = s._fetch()
+        if not ok and not self._live and s._start_epoch():   # the epoch ended before this step: the next starts it
+            self._epoch, self._index, self._first_item = s.epoch, s._index, s._item
+            ok, item = s._fetch()
         if not ok:
             self._done = True
             return False
@@ -213,9 +205,8 @@ class LiveFeed:
 
     def get(self, j: int) -> Any | None:
         """Micro-batch ``j`` (the item itself, as the user's loop would get it), or None past the step's end."""
-        while len(self._live) <= j and not self._done:
-            if not self._next():
-                break
+        while len(self._live) <= j and self._next():
+            pass
         if j >= len(self._live):
             return None
         if self.on_micro is not None:
@@ -224,9 +215,8 @@ class LiveFeed:
 
     def finish(self) -> None:
         """Fetch the items the step did not use, so that the next step starts where the user's would."""
-        while not self._done:
-            if not self._next():
-                break
+        while self._next():
+            pass
 
     def count(self) -> int:
         self.finish()
@@ -245,7 +235,7 @@ class Recorded:
     @classmethod
     def of(cls, feed: LiveFeed) -> Recorded:
         feed.finish()
-        return cls(step=feed.step, items=feed.items, rng_after=feed.rng_after, position=feed.position)
+        return cls.of_partial(feed)
 
     @classmethod
     def of_partial(cls, feed: LiveFeed) -> Recorded:
@@ -299,10 +289,7 @@ class MicroBatches(Sequence):
 
     def __iter__(self):
         j = 0
-        while True:
-            item = self._feed.get(j)
-            if item is None:
-                return
+        while (item := self._feed.get(j)) is not None:
             yield item
             j += 1
 
