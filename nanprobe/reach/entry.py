@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..base.errors import EntryError, UserCodeError, UserExit, short_path
+from ..base.errors import EntryError, short_path
 from .target import Target, call_user, to_device, validate
 
 
@@ -60,14 +60,10 @@ def _import_file(ref: str, entry: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:
+        call_user(f"importing {ref}", spec.loader.exec_module, module)
+    except BaseException:
         sys.modules.pop(name, None)
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        if isinstance(exc, SystemExit):
-            raise UserExit(f"importing {ref}", exc) from None
-        raise UserCodeError(f"importing {ref}", exc) from exc
+        raise
     return module
 
 
@@ -81,12 +77,7 @@ def _import_module(ref: str, entry: str) -> ModuleType:
     if spec is None:
         raise EntryError(f"module {ref!r} not found", entry,
                          "Check the name and that its package is importable (pip install -e . or run from its folder)")
-    try:
-        return importlib.import_module(ref)
-    except SystemExit as exc:
-        raise UserExit(f"importing {ref}", exc) from None
-    except Exception as exc:  # noqa: BLE001 - their import failed inside their code
-        raise UserCodeError(f"importing {ref}", exc) from exc
+    return call_user(f"importing {ref}", importlib.import_module, ref)
 
 
 def load_target(entry: str, config: dict | None = None, device: str | None = None) -> Loaded:
@@ -102,15 +93,14 @@ def load_target(entry: str, config: dict | None = None, device: str | None = Non
         candidates = [n for n, v in vars(module).items()
                       if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
         hint = f"Functions there: {', '.join(candidates)}" if candidates else "Define it in that module"
-        raise EntryError(f"no function {func_name!r} in {module.__name__ if not module.__name__.startswith('nanprobe_entry_') else entry.rsplit(':', 1)[0]}",
-                         entry, hint, path=getattr(module, "__file__", None) and short_path(module.__file__))
+        raise EntryError(f"no function {func_name!r} in {ref if is_path else module.__name__}", entry, hint,
+                         path=getattr(module, "__file__", None) and short_path(module.__file__))
     if not callable(fn):
         raise EntryError(f"{func_name!r} is a {type(fn).__name__}, not a function", entry,
                          "Point ENTRY at a function that returns a nanprobe.Target or a dict")
     path, lineno = _source(fn)
-    where = f"{path}:{lineno}" if path else entry
-    result = call_user(f"{entry.rsplit(':', 1)[-1]}()", fn, *_arguments(fn, config, entry, path, lineno))
-    target = validate(result, where)
+    result = call_user(f"{func_name}()", fn, *_arguments(fn, config, entry, path, lineno))
+    target = validate(result, f"{path}:{lineno}" if path else entry)
     if device is not None:
         to_device(target, device)
     return Loaded(target=target, entry=entry, module=module.__name__, function=func_name,
