@@ -120,12 +120,11 @@ _HINTS = {
 }
 
 
-def _positive_int(values: dict, key: str, where: str, default: int | None = 1) -> int | None:
+def _positive_int(values: dict, key: str, where: str, default: int | None = 1) -> None:
     """``values[key]`` checked: a positive int (None only where the default is None)."""
     v = values.get(key, default)
     if (v is not None or default is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise TargetError(f"'{key}' is {v!r}", where, "Use a positive integer, or leave it out")
-    return v
 
 
 def validate(obj: Any, where: str) -> Target:
@@ -208,9 +207,7 @@ def validate(obj: Any, where: str) -> Target:
                           'Use "fp32", "bf16" or "fp16"')
     # fp32 (no autocast) over bf16/fp16 weights computes in their dtype (Target sets it; the checks use it)
     computes = (weights_precision(model) or precision) if precision is Precision.FP32 else precision
-    scaler = values.get("grad_scaler", False)
-    if scaler is None:
-        scaler = False
+    scaler = False if values.get("grad_scaler") is None else values["grad_scaler"]
     if isinstance(scaler, bool):
         if scaler and computes is not Precision.FP16:
             raise TargetError(f"'grad_scaler' is set but 'precision' is {computes.value}", where,
@@ -228,18 +225,15 @@ def validate(obj: Any, where: str) -> Target:
     ls = values.get("load_state")
     if ls is not None and not callable(ls):
         raise TargetError("'load_state' is not callable", where, "Pass a function step -> restored_step")
-    values["epochs"] = _positive_int(values, "epochs", where)
-    values["accumulate"] = _positive_int(values, "accumulate", where)
+    _positive_int(values, "epochs", where)   # (absent: the Target's default)
+    _positive_int(values, "accumulate", where)
     if not isinstance(values.get("scheduler_on_skip", True), bool):
         raise TargetError(f"'scheduler_on_skip' is {values['scheduler_on_skip']!r}", where, "Use True or False")
     _positive_int(values, "num_classes", where, None)
     ii = values.get("ignore_index", -100)
     if isinstance(ii, bool) or not isinstance(ii, int):
         raise TargetError(f"'ignore_index' is {ii!r}", where, "Use an integer label value, e.g. -100")
-    values["precision"] = precision
-    values["grad_scaler"] = scaler
-    values.setdefault("ignore_index", -100)
-    return Target(**values)
+    return Target(**{**values, "precision": precision, "grad_scaler": scaler})
 
 
 def check_precision(target: Target, precision: Precision, flag: str = "--precision") -> Precision:
@@ -256,7 +250,7 @@ def mirrors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> bool:
     """Whether ``tensors`` are master copies of the model's parameters (fp16/bf16 weights with float32
     copies the optimizer steps: the classic mixed-precision recipe): each has the shape of a distinct
     parameter and equals it once cast to the parameter's dtype."""
-    free = [p for p in model.parameters()]
+    free = list(model.parameters())
     for t in tensors:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return False
