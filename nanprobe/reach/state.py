@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import random
 import sys
 import types
@@ -25,9 +24,10 @@ from typing import Any
 
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.utils._pytree import tree_leaves, tree_map_only, tree_structure, tree_unflatten
 
 from ..base.precision import device_of
-from .store import Slot, TensorStore, choose_mode
+from .store import Slot, TensorStore
 
 # -- RNG streams --------------------------------------------------------------------------------------
 
@@ -117,11 +117,11 @@ def _value(v: Any, depth: int = 0) -> Any:
         return v
     if isinstance(v, torch.Tensor):
         return _TensorRef(v, v._version)
-    if depth < 2 and (isinstance(v, (tuple, list)) or type(v) is dict):
-        items = {k: _value(x, depth + 1) for k, x in (v.items() if type(v) is dict else enumerate(v))}
-        if any(x is _NOT_STATE for x in items.values()):
-            return _NOT_STATE
-        return _Container(type(v), items)
+    # a list, tuple, namedtuple or plain dict: the same container with the children's values
+    if depth < 2 and (type(v) in (tuple, list, dict) or isinstance(v, tuple) and hasattr(v, "_fields")):
+        items = [_value(x, depth + 1) for x in (v.values() if type(v) is dict else v)]
+        if all(x is not _NOT_STATE for x in items):
+            return tree_unflatten(items, tree_structure(v, is_leaf=lambda x: x is not v))
     return _NOT_STATE
 
 
@@ -135,29 +135,9 @@ class _TensorRef:
         return self.tensor._version != self.version
 
 
-@dataclass(slots=True)
-class _Container:
-    kind: type        # dict, list, tuple or a namedtuple class
-    items: dict       # by key (a sequence's: by position)
-
-
 def _get(v: Any) -> Any:
-    if isinstance(v, _TensorRef):
-        return v.tensor
-    if not isinstance(v, _Container):
-        return v
-    if v.kind is dict:
-        return {k: _get(x) for k, x in v.items.items()}
-    values = [_get(x) for x in v.items.values()]
-    return values if v.kind is list else (v.kind(values) if v.kind is tuple else v.kind(*values))
-
-
-def _refs(v: Any) -> Iterable[_TensorRef]:
-    if isinstance(v, _TensorRef):
-        yield v
-    elif isinstance(v, _Container):
-        for x in v.items.values():
-            yield from _refs(x)
+    """The value :func:`_value` saved, in fresh containers (the step may have changed the old ones in place)."""
+    return tree_map_only(_TensorRef, lambda r: r.tensor, v)
 
 
 def module_tensor_attrs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
@@ -258,8 +238,12 @@ class StoragePolicy:
     directory: str | None = None   # disk: folder for the snapshot file (None: the system's temp folder)
 
     def new_store(self, device_type: str, nbytes: int) -> TensorStore:
-        """An empty store for ``nbytes`` of tensors from ``device_type``, where this policy puts them."""
-        return TensorStore(choose_mode(self.mode, device_type, nbytes, self.memory_mb), self.directory)
+        """An empty store for ``nbytes`` of tensors from ``device_type``, where this policy puts them (``auto``:
+        on the device up to ``memory_mb``; above it, host memory for CUDA runs and a file for CPU runs)."""
+        mode = self.mode
+        if mode == "auto":
+            mode = "device" if nbytes <= self.memory_mb * (1 << 20) else "host" if device_type == "cuda" else "disk"
+        return TensorStore(mode, self.directory)
 
 
 def _indexed_state(opt: torch.optim.Optimizer) -> dict[int, dict[Any, Any]]:
@@ -414,7 +398,8 @@ class Snapshot:
     def changed_in_place(self) -> list[str]:
         """Names of carried tensors (closure variables, module attributes) the step changed in place."""
         held = [(h.key, h.value) for h in self.user] + [(qual, v) for _, _, v, qual in self.attrs]
-        return [name for name, v in held if any(r.changed_in_place for r in _refs(v))]
+        return [name for name, v in held
+                if any(isinstance(r, _TensorRef) and r.changed_in_place for r in tree_leaves(v))]
 
     def carried(self) -> dict[str, Any]:
         """The state the step keeps between calls, by name (for a capsule): module attributes by
@@ -648,9 +633,5 @@ def borrowed_globals():
 
 
 def borrows_globals(fn):
-    """Decorator: the library call runs inside :func:`borrowed_globals`."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with borrowed_globals():
-            return fn(*args, **kwargs)
-    return wrapper
+    """Decorator: the library call runs inside :func:`borrowed_globals` (entered afresh on each call)."""
+    return borrowed_globals()(fn)

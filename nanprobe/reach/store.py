@@ -13,6 +13,7 @@ taken every K steps reuses its buffers or its file instead of allocating again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import weakref
@@ -81,10 +82,8 @@ class TensorStore:
         t = t.detach()
         slot = Slot(store=self, index=len(self._tensors), shape=t.shape, dtype=t.dtype, device=t.device,
                     nbytes=t.numel() * t.element_size())
-        if self.mode == "device":
-            self._tensors.append(t.clone())
-        elif self.mode == "host":
-            self._tensors.append(t.to("cpu", copy=True))
+        if self.mode != "disk":
+            self._tensors.append(t.to(t.device if self.mode == "device" else "cpu", copy=True))
         else:
             slot.offset = self._size
             self._write(self._open(), t, slot.offset)
@@ -118,9 +117,7 @@ class TensorStore:
 
     # -- reading --------------------------------------------------------------------------------------
     def load(self, slot: Slot) -> torch.Tensor:
-        if self.mode == "device":
-            return self._tensors[slot.index].clone()
-        if self.mode == "host":
+        if self.mode != "disk":
             return self._tensors[slot.index].to(slot.device, copy=True)
         out = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
         self._read_range(slot, out, 0)
@@ -164,20 +161,8 @@ def _remove(f, path: str) -> None:
     try:
         f.close()
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
-def choose_mode(mode: str, device_type: str, nbytes: int, memory_limit_mb: float) -> str:
-    """``auto``: on the device for states up to ``memory_limit_mb``; above it, host memory for CUDA
-    runs and a file for CPU runs."""
-    if mode != "auto":
-        return mode
-    if nbytes <= memory_limit_mb * (1 << 20):
-        return "device"
-    return "host" if device_type == "cuda" else "disk"
-
-
-__all__ = ["TensorStore", "Slot", "choose_mode"]
+__all__ = ["TensorStore", "Slot"]
