@@ -10,6 +10,7 @@ from enum import Enum
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 
 class Precision(str, Enum):
@@ -29,9 +30,7 @@ class Precision(str, Enum):
         """Whether this precision runs under autocast (the model itself stays fp32)."""
         return self in (Precision.BF16, Precision.FP16)
 
-    @property
-    def low(self) -> bool:
-        return self.autocast
+    low = autocast
 
 
 def weights_precision(model: torch.nn.Module) -> Precision | None:
@@ -53,8 +52,7 @@ def parse_precision(value: str | Precision | None, default: Precision = Precisio
         return value
     aliases = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
                "float64": "fp64", "double": "fp64", "32": "fp32", "16": "fp16"}
-    value = aliases.get(str(value).lower(), str(value).lower())
-    return Precision(value)
+    return Precision(aliases.get(str(value).lower(), str(value).lower()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +76,13 @@ def autocast_context(precision: Precision, device_type: str, enabled: bool = Tru
 @contextlib.contextmanager
 def numeric_mode(precision: Precision, device_type: str):
     """TF32 on/off for the duration; restores the previous settings on exit, errors too."""
-    prev_matmul = torch.backends.cuda.matmul.allow_tf32
-    prev_cudnn = torch.backends.cudnn.allow_tf32
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         if device_type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = precision is Precision.TF32
-            torch.backends.cudnn.allow_tf32 = precision is Precision.TF32
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision is Precision.TF32
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev_matmul
-        torch.backends.cudnn.allow_tf32 = prev_cudnn
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
@@ -157,11 +152,12 @@ class _EmulateFp16(TorchDispatchMode):
             def up(a):
                 return a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a
             out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
-            if isinstance(out, torch.Tensor):
-                return out.to(torch.float16) if out.is_floating_point() else out
-            return type(out)(o.to(torch.float16) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
-                             for o in out)
+            return tree_map_only(torch.Tensor, lambda o: o.to(torch.float16) if o.is_floating_point() else o, out)
         return func(*args, **kwargs)
+
+
+# a context: CPU fp16 matmuls, convolutions and attention as above; enter it before any other dispatch mode
+emulate_fp16_matmuls = _EmulateFp16
 
 
 @functools.cache
@@ -169,12 +165,6 @@ def _fp16_ops() -> frozenset:
     names = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "convolution", "convolution_backward",
              "_scaled_dot_product_flash_attention_for_cpu")
     return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
-
-
-def emulate_fp16_matmuls():
-    """A context: CPU fp16 matmuls, convolutions and attention as fp16 inputs times float32 arithmetic,
-    rounded to fp16 (see _EmulateFp16). Enter it before any other dispatch mode."""
-    return _EmulateFp16()
 
 
 class _RetargetCasts(TorchDispatchMode):
