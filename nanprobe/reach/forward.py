@@ -109,32 +109,27 @@ def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding,
     risky = list(dict.fromkeys(base for base in (n.split("Backward")[0].lower() for n in ops) if base in _RISKY))
     if not risky:
         return None
+    one = len(risky) == 1
+    op, cause = (f"aten.{risky[0]}", _RISKY[risky[0]]) if one else (None, Cause.UNKNOWN)
     lines = [f"the root module's forward, rerun on the step's inputs under instrumentation, is finite and the loss "
              f"the script computed from its outputs is {info['loss']}: the first non-finite value was born in the "
              "script's loss, outside the model",
+             f"the only op among them that makes a non-finite value from finite inputs: {risky[0]}" if one else
+             f"ops among them that can make a non-finite value from finite inputs: {', '.join(risky)}",
              "ops between the model's outputs and the loss (autograd graph, nearest the loss first): "
              + ", ".join(ops[:12]) + (" ..." if len(ops) > 12 else ""),
              "read from the graph's structure (backward freed its values): for the op's inputs, source line and "
              "samples, replay the capsule with an ENTRY whose loss_fn computes this loss"]
     module = "(loss outside the model)"
-    if len(risky) == 1:
-        lines.insert(1, f"the only op among them that makes a non-finite value from finite inputs: {risky[0]}")
-    else:
-        lines.insert(1, f"ops among them that can make a non-finite value from finite inputs: {', '.join(risky)}")
-    op = f"aten.{risky[0]}" if len(risky) == 1 else None
-    cause = _RISKY[risky[0]] if len(risky) == 1 else Cause.UNKNOWN
-    if info.get("kind") == "nan" and set(risky) <= _INF_ONLY:   # exp makes inf, never NaN from a finite input
+    if info.get("kind") == "nan" and set(risky) <= {"exp"}:   # exp makes +inf, never NaN, from a finite input
         op, cause = None, Cause.UNKNOWN
         lines.insert(2, "but the loss is NaN, which exp does not make from a finite input: the NaN may come from a "
                         "value computed without gradients (advantages, targets, a normalisation) that the graph "
                         "does not show")
-    finding = Finding(cause=cause, confidence=0.6 if len(risky) == 1 else 0.4, phase=Phase.FORWARD, module=module,
+    finding = Finding(cause=cause, confidence=0.6 if one else 0.4, phase=Phase.FORWARD, module=module,
                       op=op, evidence=tuple(lines))
     origin = Origin(phase=Phase.FORWARD, module=module, op=op, precision=precision, kind=info.get("kind"))
     return finding, origin
-
-
-_INF_ONLY = {"exp"}   # ops that make +inf, not NaN, from finite inputs
 
 
 def device_of_module(module: torch.nn.Module) -> str:
