@@ -30,13 +30,8 @@ class NanprobeError(Exception):
 
     @property
     def message(self) -> str:
-        text = self.what
-        if self.where:
-            text += f" ({self.where})"
-        text += "."
-        if self.fix:
-            text += " " + self.fix.rstrip(".") + "."
-        return text
+        where = f" ({self.where})" if self.where else ""
+        return f"{self.what}{where}." + (f" {self.fix.rstrip('.')}." if self.fix else "")
 
 
 class UsageError(NanprobeError):
@@ -140,9 +135,9 @@ def user_frame(exc: BaseException) -> tuple[str | None, int | None]:
     return found
 
 
-def user_source_frame(start=None) -> tuple[str | None, int | None, str | None]:
+def user_source_frame() -> tuple[str | None, int | None, str | None]:
     """Walk the live stack outward to the innermost user frame: (file, line, code)."""
-    frame = start if start is not None else sys._getframe(1)
+    frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not _is_library_file(filename):

@@ -253,14 +253,9 @@ def _with(out: dict[str, Any], **optional: Any) -> dict[str, Any]:
 
 def _num(x: float | None) -> float | str | None:
     """JSON has no NaN/Inf: write them as strings so the file stays valid JSON."""
-    if x is None:
-        return None
-    x = float(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return x
+    if x is None or math.isfinite(x := float(x)):
+        return x
+    return "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
 
 
 def dumps(data: dict[str, Any]) -> str:
