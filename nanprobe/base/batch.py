@@ -36,8 +36,7 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor], *,
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)((k, inner(v)) for k, v in batch.items()) if type(batch) is not dict \
-            else {k: inner(v) for k, v in batch.items()}
+        return type(batch)((k, inner(v)) for k, v in batch.items())
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: inner(getattr(batch, f.name))
                                              for f in dataclasses.fields(batch) if f.init})

@@ -15,6 +15,7 @@ left it, so the step sees the same random numbers at the same points.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,10 +147,8 @@ class Stream:
         it, self._it = self._it, None
         shutdown = getattr(it, "_shutdown_workers", None)
         if callable(shutdown):
-            try:
+            with contextlib.suppress(Exception):   # the user's loader, already done with
                 shutdown()
-            except Exception:  # noqa: BLE001 - the user's loader, already done with
-                pass
         self._ended = True
 
     def skip(self, step: int) -> None:
@@ -199,9 +198,8 @@ class LiveFeed:
 
     @property
     def position(self) -> Position:
-        n = len(self.items)
         return Position(step=self.step, epoch=None if self.stream.callable else self._epoch, index=self._index,
-                        items=tuple(range(self._first_item, self._first_item + n)))
+                        items=tuple(range(self._first_item, self._first_item + len(self.items))))
 
     def get(self, j: int) -> Any | None:
         """Micro-batch ``j`` (the item itself, as the user's loop would get it), or None past the step's end."""

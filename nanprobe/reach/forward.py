@@ -60,9 +60,7 @@ class ForwardStep:
                 loss = find_loss(out)
                 if loss is not None:
                     loss.backward()
-            if loss is not None:
-                d = loss.detach().float()
-                total = d if total is None else total + d
+                    total = loss.detach().float() if total is None else total + loss.detach().float()
         return total
 
 

@@ -315,8 +315,7 @@ def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any],
     """The param groups as they were (the same parameter objects in each): groups a step added since are
     dropped, groups it removed come back with their saved hyper-parameters."""
     have = opt.param_groups
-    if len(have) == len(groups) and all(len(g["params"]) == len(ps) and all(a is b for a, b in zip(g["params"], ps))
-                                        for g, ps in zip(have, groups)):
+    if [[id(p) for p in g["params"]] for g in have] == [[id(p) for p in ps] for ps in groups]:
         return
     rebuilt = []
     for i, ps in enumerate(groups):
@@ -598,19 +597,16 @@ def borrowed_globals():
     ``detect_anomaly`` or under ``torch.no_grad()`` gets the same diagnosis as anyone else.
     """
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    saved = {
-        "rng": capture_rng("cuda" if cuda else "cpu", host=True),
-        "threads": torch.get_num_threads(),
-        "dtype": torch.get_default_dtype(),
-        "grad": torch.is_grad_enabled(),
-        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-        "autocast": {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")},
-        "deterministic": (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled()),
-        "tf32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
-        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-    }
+    rng = capture_rng("cuda" if cuda else "cpu", host=True)
+    threads = torch.get_num_threads()
+    dtype = torch.get_default_dtype()
+    grad = torch.is_grad_enabled()
+    anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+    autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")}
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    mm, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    flags = mm.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic
+    matmul_precision = torch.get_float32_matmul_precision()
     try:
         torch.set_grad_enabled(True)
         torch.set_anomaly_enabled(False)
@@ -618,18 +614,17 @@ def borrowed_globals():
             torch.set_autocast_enabled(d, False)
         yield
     finally:
-        set_rng(saved["rng"])
-        torch.set_num_threads(saved["threads"])
-        torch.set_default_dtype(saved["dtype"])
-        torch.set_grad_enabled(saved["grad"])
-        torch.set_anomaly_enabled(*saved["anomaly"])
-        for d, (enabled, dtype) in saved["autocast"].items():
+        set_rng(rng)
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        torch.set_anomaly_enabled(*anomaly)
+        for d, (enabled, low) in autocast.items():
             torch.set_autocast_enabled(d, enabled)
-            torch.set_autocast_dtype(d, dtype)
-        torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32"]
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved["cudnn"]
-        torch.set_float32_matmul_precision(saved["matmul_precision"])
+            torch.set_autocast_dtype(d, low)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        mm.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = flags
+        torch.set_float32_matmul_precision(matmul_precision)
 
 
 def borrows_globals(fn):

@@ -95,8 +95,7 @@ class TensorStore:
         if self.mode == "disk":
             self._write(self._open(), t.detach(), slot.offset)
         else:
-            with torch.no_grad():
-                self._tensors[slot.index].copy_(t.detach())
+            self._tensors[slot.index].copy_(t.detach())   # (the stored copy does not require grad)
 
     def _open(self):
         if self._file is None:

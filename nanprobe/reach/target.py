@@ -53,8 +53,7 @@ class Target:
     pure: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
-        self.precision = parse_precision(self.precision) if not isinstance(self.precision, Precision) \
-            else self.precision
+        self.precision = parse_precision(self.precision)
         self.weights = weights_precision(self.model) if isinstance(self.model, torch.nn.Module) else None
         if self.weights is not None and self.precision is Precision.FP32:
             self.precision = self.weights   # no autocast: the run computes in its weights' dtype
@@ -81,9 +80,7 @@ class Target:
     @property
     def user_scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
         """GradScaler objects the target hands over (``grad_scaler: True`` makes nanprobe's own)."""
-        if isinstance(self.grad_scaler, bool) or self.grad_scaler is None:
-            return []
-        return named(self.grad_scaler, "grad_scaler")
+        return [] if isinstance(self.grad_scaler, bool) else named(self.grad_scaler, "grad_scaler")
 
     @property
     def uses_scaler(self) -> bool:
@@ -94,9 +91,7 @@ class Target:
     def form(self) -> str:
         """How the capsule's micro-batches are fed: "loss_fn", "step_fn", or the step_fn's own ``form``
         ("watch_forward": the root module's inputs, see nanprobe.watch.ForwardStep)."""
-        if self.step_fn is None:
-            return "loss_fn"
-        return str(getattr(self.step_fn, "form", "step_fn"))
+        return "loss_fn" if self.step_fn is None else str(getattr(self.step_fn, "form", "step_fn"))
 
 
 def named(obj: Any, base: str) -> list[tuple[str, Any]]:
