@@ -18,16 +18,12 @@ def find_loss(out: Any) -> torch.Tensor | None:
         return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and t.requires_grad
     if scalar(out):
         return out
-    loss = getattr(out, "loss", None) if not isinstance(out, (dict, tuple, list, torch.Tensor)) else None
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
+    loss = out.get("loss") if isinstance(out, dict) else \
+        None if isinstance(out, (tuple, list, torch.Tensor)) else getattr(out, "loss", None)
     if scalar(loss):
         return loss
-    if isinstance(out, (tuple, list)):
-        found = [t for t in out if scalar(t)]
-        if len(found) == 1:
-            return found[0]
-    return None
+    found = [t for t in out if scalar(t)] if isinstance(out, (tuple, list)) else []
+    return found[0] if len(found) == 1 else None
 
 
 def batch_of(args: tuple, kwargs: dict, autocast: str | None) -> dict[str, Any]:
