@@ -81,11 +81,10 @@ class TensorStore:
     def _put(self, t: torch.Tensor) -> Slot:
         t = t.detach()
         slot = Slot(store=self, index=len(self._tensors), shape=t.shape, dtype=t.dtype, device=t.device,
-                    nbytes=t.numel() * t.element_size())
+                    offset=self._size, nbytes=t.numel() * t.element_size())
         if self.mode != "disk":
             self._tensors.append(t.to(t.device if self.mode == "device" else "cpu", copy=True))
         else:
-            slot.offset = self._size
             self._write(self._open(), t, slot.offset)
             self._size += slot.nbytes
             self._tensors.append(None)
@@ -120,7 +119,7 @@ class TensorStore:
             return self._tensors[slot.index].to(slot.device, copy=True)
         out = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
         self._read_range(slot, out, 0)
-        return out.to(slot.device) if slot.device.type != "cpu" else out
+        return out.to(slot.device)
 
     def copy_into(self, slot: Slot, live: torch.Tensor) -> None:
         with torch.no_grad():
@@ -139,8 +138,7 @@ class TensorStore:
 
     def _read_range(self, slot: Slot, out: torch.Tensor, start: int) -> None:
         f = self._open()
-        elem = out.element_size()
-        f.seek(slot.offset + start * elem)
+        f.seek(slot.offset + start * out.element_size())
         view = memoryview(_as_bytes(out).numpy())
         got = 0
         while got < len(view):
