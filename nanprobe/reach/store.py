@@ -82,8 +82,10 @@ class TensorStore:
         t = t.detach()
         slot = Slot(store=self, index=len(self._tensors), shape=t.shape, dtype=t.dtype, device=t.device,
                     offset=self._size, nbytes=t.numel() * t.element_size())
-        if self.mode != "disk":
-            self._tensors.append(t.to(t.device if self.mode == "device" else "cpu", copy=True))
+        if self.mode == "device":
+            self._tensors.append(t.clone())   # clone, not .to(copy=True): retarget_casts would rewrite its dtype
+        elif self.mode == "host":
+            self._tensors.append(t.to("cpu", copy=True))
         else:
             self._write(self._open(), t, slot.offset)
             self._size += slot.nbytes
@@ -115,11 +117,13 @@ class TensorStore:
 
     # -- reading --------------------------------------------------------------------------------------
     def load(self, slot: Slot) -> torch.Tensor:
-        if self.mode != "disk":
+        if self.mode == "device":
+            return self._tensors[slot.index].clone()
+        if self.mode == "host":
             return self._tensors[slot.index].to(slot.device, copy=True)
         out = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
         self._read_range(slot, out, 0)
-        return out.to(slot.device)
+        return out.to(slot.device) if slot.device.type != "cpu" else out
 
     def copy_into(self, slot: Slot, live: torch.Tensor) -> None:
         with torch.no_grad():
