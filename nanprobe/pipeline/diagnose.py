@@ -47,12 +47,6 @@ def origin_of(e: Event | None, precision: str) -> Origin | None:
                   node=e.node, kind=e.kind, samples=e.samples, parameter=e.parameter, micro=e.micro)
 
 
-def _probe_for(e: Event | None) -> Probe | None:
-    if e is None or e.phase.value == "update":
-        return None
-    return Probe(phase=e.phase, module=e.module, op=e.op, occurrence=e.occurrence, node=e.node)
-
-
 def _result(t: StepTrace) -> PrecisionResult:
     if t.error or not t.applied:
         return PrecisionResult(precision=t.precision.value, loss=None, finite=False, note=t.error or t.note)
@@ -63,12 +57,6 @@ def _result(t: StepTrace) -> PrecisionResult:
 
 
 _FWD_BWD = frozenset({Phase.FORWARD, Phase.BACKWARD})
-
-
-def _update_suspect(reached: Reached) -> bool:
-    """The replayed step's weights went non-finite with a finite loss and gradient norm."""
-    r = reached.record
-    return r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
 
 
 def _healthy(loaded: Loaded, done: NoBadStep, prec: Precision, device: torch.device, cfg: Config, command: str,
@@ -116,14 +104,6 @@ def check_data(reached: Reached, target: Target, prec: Precision, cfg: Config) -
     return out
 
 
-def _position(reached: Reached) -> dict[str, Any] | None:
-    pos = reached.position
-    if pos is None:
-        return None
-    return {"epoch": pos.epoch, "index": pos.index, "items": list(pos.items),
-            "micro_batches": len(reached.recorded.items)}
-
-
 @borrows_globals
 def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | Precision | None = None,
                     config: Config | None = None, max_steps: int | None = None, reached: Reached | None = None,
@@ -164,12 +144,13 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     progress(f"rerunning step {reached.step} instrumented ({prec.value})")
     # the update phase is checked op by op only where the update may have made the weights non-finite:
     # it is most of a step's ops (an optimizer runs several per parameter)
-    phases = _FWD_BWD | ({Phase.UPDATE} if _update_suspect(reached) else set())
+    r = reached.record   # suspect: the replayed step's weights went non-finite with a finite loss and gradient norm
+    suspect = r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
+    phases = _FWD_BWD | ({Phase.UPDATE} if suspect else set())
     # reruns of a loss_fn loop end before the optimizer update unless the update is in question
     # (it made the weights non-finite, or the step is a spike): then nothing but the forward pass's
     # state needs restoring between reruns
-    update = target.step_fn is not None or reached.record is None or _update_suspect(reached) \
-        or reached.status is Status.SPIKE
+    update = target.step_fn is not None or reached.record is None or suspect or reached.status is Status.SPIKE
     deferred = {"auto": None, "on": True, "off": False}[cfg.run.deferred_checks]
     rerun = functools.partial(run_step, target, reached, where=where, tolerate_errors=True, restore_after=False)
     main = rerun(prec, phases=phases, update=update, deferred=deferred)
@@ -214,7 +195,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     if ref_prec is Precision.FP64 and device.type == "mps":
         ref_prec = Precision.FP32
     if prec is not ref_prec and prec.low:
-        probe = _probe_for(main.origin)
+        e = main.origin
+        if e is not None and e.phase is not Phase.UPDATE:
+            probe = Probe(phase=e.phase, module=e.module, op=e.op, occurrence=e.occurrence, node=e.node)
         progress(f"rerunning step {reached.step} in {ref_prec.value} (reference)")
         reference = rerun(ref_prec, probe=probe, phases=_FWD_BWD, ratios=False, update=update,
                           instrument=main.origin is not None, deferred=deferred)
@@ -272,6 +255,9 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
         if t.note:
             notes.append(f"{name} rerun: {t.note}")
     history = tuple(reached.history[-cfg.replay.history:]) + ((reached.record,) if reached.record else ())
+    pos = reached.position
+    position = None if pos is None else {"epoch": pos.epoch, "index": pos.index, "items": list(pos.items),
+                                         "micro_batches": len(reached.recorded.items)}
     return Report(command=command, entry=loaded.entry, step=reached.step, status=status,
                   device=describe_device(device), precision=prec.value,
                   origin=None if skip_note else origin_of(main.origin or _entered_origin(main, findings), prec.value),
@@ -279,7 +265,7 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                   context=_context(main, cfg.run.context_modules), history=history,
                   notes=tuple(notes), autocast_policy=autocast_policy(device, prec, reached.policy,
                                                                   target.pure and prec is target.weights),
-                  reached_by=reached.reached_by, position=_position(reached), fidelity=fid, error=error_line,
+                  reached_by=reached.reached_by, position=position, fidelity=fid, error=error_line,
                   trajectory=reached.trend.to_json(onset) if reached.trend is not None and onset is not None else None,
                   extra={"data_problems": [p.to_json() for p in data],
                          "events": [_event_json(e) for e in (main.trace.events if main.trace else [])]})

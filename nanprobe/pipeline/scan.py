@@ -219,10 +219,7 @@ class Scanner:
 
     # -- per batch --------------------------------------------------------------------------------
     def add(self, step: int, batch: Any) -> None:
-        self._add(step, leaves(batch))
-        self.batches += 1
-
-    def _add(self, step: int, items: list[Leaf]) -> None:
+        items = leaves(batch)
         extra: list[torch.Tensor] = []
         refresh: list[tuple[_Key, int]] = []
         states = []
@@ -259,22 +256,14 @@ class Scanner:
             role = leaf.role
             if st.min is None:
                 continue
-            if role == FLOAT:
-                if st.n > 1:
-                    self._constant(ks, step, st)
-                if not found:   # an error already explains an extreme value
-                    self._outlier(ks, step, leaf, st)
-            elif role == INT:
-                if st.n > 1:
-                    self._constant(ks, step, st)
+            if role in (FLOAT, INT) and st.n > 1:
+                self._constant(ks, step, st)
+            if role == FLOAT and not found:   # an error already explains an extreme value
+                self._outlier(ks, step, leaf, st)
             elif role == LABEL and ks.fill is None and not found:
-                ks.fill = self._valid_label(st)
-
-    def _valid_label(self, st: Stats) -> int | None:
-        for v in (st.min, st.max):
-            if v is not None and v >= 0 and (self.num_classes is None or v < self.num_classes):
-                return int(v)
-        return None
+                ks.fill = next((int(v) for v in (st.min, st.max) if v is not None and v >= 0
+                                and (num_classes is None or v < num_classes)), None)
+        self.batches += 1
 
     def _reference(self, ks: _Key, x: torch.Tensor) -> list[torch.Tensor]:
         """Add a random subsample of ``x`` to the key's pool; median, MAD and mean |dev| as 0-dim tensors."""
@@ -393,18 +382,6 @@ class Scanner:
                            message=f"{ks.key} holds {count} extreme value(s) (e.g. {value:g}, robust z-score "
                                    f"{c.z:.0f} vs median {median:.4g}, scale {c.scale:.3g}; limit {limit:.3g})")
 
-    def drop(self, step: int, code: str) -> int:
-        """Withdraw the problems of one code at one step (e.g. after discarding an inferred num_classes)."""
-        dropped = [p for p in self.problems if p.step == step and p.code == code]
-        for p in dropped:
-            ks = self.keys[p.key]
-            ks.problems[p.code] -= 1
-            if not ks.problems[p.code]:
-                del ks.problems[p.code]
-        self.problems = [p for p in self.problems if not (p.step == step and p.code == code)]
-        self.total -= len(dropped)
-        return len(dropped)
-
     def finish(self) -> None:
         for ks in self.keys.values():
             if ks.candidates:
@@ -515,14 +492,11 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     notes: list[str] = []
     is_callable = is_callable_batches(target.batches)
     per_epoch = epoch_length(target.batches)
-    if is_callable and limit is None:
+    if limit is None and (is_callable or per_epoch is None):   # without a length it may never end
         limit = scfg.callable_batches
-        notes.append(f"batches is a callable: scanned batches(0) .. batches({limit - 1}) at most "
-                     "(scan.callable_batches); pass --limit to change")
-    elif limit is None and per_epoch is None:   # it may never end
-        limit = scfg.callable_batches
-        notes.append(f"batches has no length (it may be endless): scanned its first {limit} batches at most "
-                     "(scan.callable_batches); pass --limit to change")
+        notes.append((f"batches is a callable: scanned batches(0) .. batches({limit - 1}) at most" if is_callable else
+                      f"batches has no length (it may be endless): scanned its first {limit} batches at most")
+                     + " (scan.callable_batches); pass --limit to change")
     total = per_epoch * target.epochs if per_epoch is not None else None
     if limit is not None:
         total = limit if total is None else min(total, limit)
@@ -530,55 +504,53 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     scanner = Scanner(scfg, ignore_index=ignore_index, num_classes=num_classes, range_max=range_max)
     device = None
     scanned = 0
-    at_limit = False
     draws = False           # does fetching a batch draw from the global torch RNG?
-    while True:
-        if limit is not None and scanned >= limit:
-            at_limit = True
-            break
+
+    def fetch(get: Callable[[], Any], counts: Callable[[Any], bool] = lambda got: True) -> Any:
+        nonlocal draws
         rng_before = torch.get_rng_state() if not draws and scanned < 64 else None
-        try:
-            feed = stream.open(stream.next_step)   # fetches the step's first batch
-        except DataEnd:
-            break
-        # an epoch's first fetch draws in training too (iter() of a DataLoader: its base seed), at the
-        # same point; only draws on later fetches interleave with what training draws
-        if rng_before is not None and feed.position.index != 0 and not torch.equal(rng_before, torch.get_rng_state()):
+        got = get()
+        if rng_before is not None and got is not None and counts(got) \
+                and not torch.equal(rng_before, torch.get_rng_state()):
             draws = True
-        k = feed.step
-        for j in itertools.count():
-            if limit is not None and scanned >= limit:
-                at_limit = True
-                break
-            rng_before = torch.get_rng_state() if not draws and j > 0 and scanned < 64 else None
-            batch = feed.get(j)
-            if batch is None:
-                break
-            if rng_before is not None and not torch.equal(rng_before, torch.get_rng_state()):
-                draws = True
-            if scanned == 0:
-                device = next((t.device for _, t in iter_tensors(batch)), None)
-                if num_classes is None and scfg.infer_num_classes \
-                        and any(leaf.role == LABEL for leaf in leaves(batch)) \
-                        and sum(p.numel() for p in target.model.parameters()) <= scfg.infer_max_params:
-                    inferred = infer_num_classes(target, batch)
-                    if inferred is not None:
-                        num_classes, source = inferred, "model output width"
-                        scanner.num_classes = inferred
-            before = len(scanner.problems)
-            scanner.add(k, batch)
-            if target.accumulate > 1:
-                scanner.problems[before:] = [dataclasses.replace(p, micro=j) if p.step == k and p.micro is None
-                                             else p for p in scanner.problems[before:]]
-            if scanned == 0 and source == "model output width":
-                _check_inferred(scanner, notes)
-                if scanner.num_classes is None:
-                    num_classes = source = None
-            scanned += 1
-            if on_progress is not None:
-                on_progress(scanned, total, scanner.total)
-        if at_limit:
-            break
+        return got
+
+    def batches():
+        """(step, micro-batch, batch) in training order. An epoch's first fetch draws in training too (iter() of
+        a DataLoader: its base seed), at the same point; only draws on later fetches interleave with training's."""
+        while True:
+            try:   # fetches the step's first batch
+                feed = fetch(lambda: stream.open(stream.next_step), lambda f: f.position.index != 0)
+            except DataEnd:
+                return
+            for j in itertools.count():
+                batch = feed.get(0) if j == 0 else fetch(lambda: feed.get(j))
+                if batch is None:
+                    break
+                yield feed.step, j, batch
+
+    for k, j, batch in itertools.islice(batches(), limit):
+        if scanned == 0:
+            device = next((t.device for _, t in iter_tensors(batch)), None)
+            if num_classes is None and scfg.infer_num_classes \
+                    and any(leaf.role == LABEL for leaf in leaves(batch)) \
+                    and sum(p.numel() for p in target.model.parameters()) <= scfg.infer_max_params:
+                inferred = infer_num_classes(target, batch)
+                if inferred is not None:
+                    num_classes, source = inferred, "model output width"
+                    scanner.num_classes = inferred
+        before = len(scanner.problems)
+        scanner.add(k, batch)
+        if target.accumulate > 1:
+            scanner.problems[before:] = [dataclasses.replace(p, micro=j) if p.step == k and p.micro is None
+                                         else p for p in scanner.problems[before:]]
+        if scanned == 0 and source == "model output width":
+            _check_inferred(scanner, notes)
+            if scanner.num_classes is None:
+                num_classes = source = None
+        scanned += 1
+        if on_progress is not None:
+            on_progress(scanned, total, scanner.total)
     if stream.end_note and is_callable:
         notes.append(stream.end_note)
     if draws:
@@ -591,7 +563,8 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
                      "scan-data does not train, so their batch order can differ from training (nanprobe run "
                      "replays the exact order)")
     # at the limit, a sized iterable may still have been read to its end (all batches of all epochs)
-    complete = not at_limit or (not is_callable and per_epoch is not None and per_epoch * target.epochs <= scanned)
+    complete = limit is None or scanned < limit \
+        or (not is_callable and per_epoch is not None and per_epoch * target.epochs <= scanned)
     scanner.finish()
     if scanned == 0:
         raise UsageError("batches yielded no batch: nothing was checked", loaded.where,
@@ -613,11 +586,18 @@ def _shuffles_from_global_rng(batches: Any) -> bool:
 def _check_inferred(scanner: Scanner, notes: list[str]) -> None:
     """An output width that most labels of the first batch exceed is not the number of classes
     (e.g. the model returns hidden states and loss_fn applies the head): drop it."""
-    bad = sum(p.count for p in scanner.problems if p.step == 0 and p.code == "label_out_of_range")
+    dropped = [p for p in scanner.problems if p.step == 0 and p.code == "label_out_of_range"]
+    bad = sum(p.count for p in dropped)
     labelled = sum(ks.counted - ks.ignored for ks in scanner.keys.values() if ks.role == LABEL)
     if bad and bad > 0.01 * max(labelled, 1):
         width = scanner.num_classes
-        scanner.drop(0, "label_out_of_range")
+        for p in dropped:   # withdrawn with the width
+            counts = scanner.keys[p.key].problems
+            counts[p.code] -= 1
+            if not counts[p.code]:
+                del counts[p.code]
+        scanner.problems = [p for p in scanner.problems if not (p.step == 0 and p.code == "label_out_of_range")]
+        scanner.total -= len(dropped)
         scanner.num_classes = None
         notes.append(f"the model's output width {width} is below {bad} of {labelled} labels in the first batch, so "
                      "it is not the number of classes; pass --num-classes to check label range")

@@ -37,25 +37,17 @@ class Remedy:
     qk_norm: tuple[str, ...] = ()                   # attention modules whose q and k are layer-normalised
 
     def describe(self) -> str:
-        parts = []
-        if self.precision is not None:
-            parts.append(self.precision.value)
-        if self.fp32_modules:
-            parts.append(f"fp32 {', '.join(self.fp32_modules)}")
-        if self.max_grad_norm is not None:
-            parts.append(f"clip {self.max_grad_norm:g}")
-        if isinstance(self.lr_scale, tuple):
-            parts.append("LR x(" + ", ".join(f"{x:g}" for x in self.lr_scale) + ") per param group")
-        elif self.lr_scale is not None:
-            parts.append(f"LR x{self.lr_scale:g}")
-        if self.warmup is not None:
-            parts.append(f"warmup {self.warmup}")
-        parts += [f"{k}={v}" for k, v in self.param_overrides]
-        if self.z_loss is not None:
-            parts.append(f"z-loss {self.z_loss[1]:g} on {self.z_loss[0]}")
-        if self.qk_norm:
-            parts.append(f"qk-norm in {', '.join(self.qk_norm)}")
-        return ", ".join(parts) or "no change"
+        lr = self.lr_scale
+        parts = [self.precision and self.precision.value,
+                 self.fp32_modules and f"fp32 {', '.join(self.fp32_modules)}",
+                 self.max_grad_norm is not None and f"clip {self.max_grad_norm:g}",
+                 "LR x(" + ", ".join(f"{x:g}" for x in lr) + ") per param group" if isinstance(lr, tuple)
+                 else lr is not None and f"LR x{lr:g}",
+                 self.warmup is not None and f"warmup {self.warmup}",
+                 *(f"{k}={v}" for k, v in self.param_overrides),
+                 self.z_loss and f"z-loss {self.z_loss[1]:g} on {self.z_loss[0]}",
+                 self.qk_norm and f"qk-norm in {', '.join(self.qk_norm)}"]
+        return ", ".join(p for p in parts if p) or "no change"
 
     def combine(self, other: Remedy) -> Remedy | None:
         """Both changes at once; None where they set the same thing differently."""

@@ -177,11 +177,8 @@ def _adam_change(ev: Evidence, key: str) -> tuple[Any, Any] | None:
     return (g["eps"], 1e-6) if g["eps"] < 1e-6 else None
 
 
-def _adam_remedy(key: str) -> RemedyFn:
-    def remedy(f: Finding, ev: Evidence) -> Remedy | None:
-        change = _adam_change(ev, key)
-        return Remedy(param_overrides=((key, change[1]),)) if change else None
-    return remedy
+def _adam_remedy(key: str) -> RemedyFn:   # (a template's remedy is asked for only when its fix applies)
+    return lambda f, ev: Remedy(param_overrides=((key, _adam_change(ev, key)[1]),))
 
 
 def _adam_fix(ev: Evidence, key: str, title: str, why: str) -> Fix | None:
@@ -218,7 +215,7 @@ def ascent(f: Finding) -> bool:
 
 @fix_for(Mechanism.ATTENTION_LOGIT_GROWTH, Mechanism.LR_SCHEDULE, Mechanism.OUTPUT_LOGIT_DIVERGENCE,
          Mechanism.ADAM_SECOND_MOMENT, Mechanism.ACTIVATION_GROWTH,
-         verify=lambda f, ev: None if ascent(f) else Remedy(lr_scale=LOWER_LR))
+         verify=lambda f, ev: Remedy(lr_scale=LOWER_LR))
 def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
     if ascent(f):
         return None
@@ -234,8 +231,7 @@ def _lower_peak_lr(f: Finding, ev: Evidence) -> Fix | None:
                    "the logits and activations grow with it; a lower peak keeps them in range")
 
 
-@fix_for(Mechanism.LR_SCHEDULE, verify=lambda f, ev: None if ascent(f) else
-         Remedy(warmup=2 * max(ev.reached.step, 1)))
+@fix_for(Mechanism.LR_SCHEDULE, verify=lambda f, ev: Remedy(warmup=2 * max(ev.reached.step, 1)))
 def _longer_warmup(f: Finding, ev: Evidence) -> Fix | None:
     if ascent(f):
         return None
@@ -270,7 +266,7 @@ def _wd(ev: Evidence) -> float:
 
 @fix_for(Mechanism.OUTPUT_LOGIT_DIVERGENCE, Mechanism.ACTIVATION_GROWTH,
          verify=lambda f, ev: Remedy(param_overrides=(("weight_decay", 0.1),))
-         if ev.target.optimizers and _opt_name(ev) == "AdamW" and _wd(ev) < 0.1 else None)
+         if ev.target.optimizers and _opt_name(ev) == "AdamW" else None)
 def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
     wd = _wd(ev)
     if wd >= 0.1:
@@ -282,8 +278,7 @@ def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
                    "produce cannot grow without bound")
 
 
-@fix_for(Mechanism.LOSS_SCALE_COLLAPSE, verify=lambda f, ev: Remedy(precision=Precision.BF16)
-         if ev.reached.precision is Precision.FP16 else None)
+@fix_for(Mechanism.LOSS_SCALE_COLLAPSE, verify=lambda f, ev: Remedy(precision=Precision.BF16))
 def _loss_scale_bf16(f: Finding, ev: Evidence) -> Fix | None:
     return _bf16(f, ev)
 
@@ -379,8 +374,7 @@ def _fp16_constant(f: Finding, ev: Evidence) -> Fix | None:
 
 
 # -- precision ---------------------------------------------------------------------------------
-@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(precision=Precision.BF16)
-         if ev.reached.precision is Precision.FP16 else None)
+@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(precision=Precision.BF16))
 def _bf16(f: Finding, ev: Evidence) -> Fix | None:
     if ev.reached.precision is not Precision.FP16:
         return None
@@ -405,8 +399,7 @@ def _island_modules(f: Finding, ev: Evidence) -> tuple[str, ...]:
 
 
 @fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, Cause.LOG, Cause.DIV, Cause.SQRT,
-         verify=lambda f, ev: Remedy(fp32_modules=_island_modules(f, ev))
-         if ev.reached.precision.low and f.module and f.module != LOSS_FN and f.phase is not Phase.UPDATE else None)
+         verify=lambda f, ev: Remedy(fp32_modules=_island_modules(f, ev)) if f.module and f.module != LOSS_FN else None)
 def _fp32_island(f: Finding, ev: Evidence) -> Fix | None:
     if not ev.reached.precision.low or f.phase is Phase.UPDATE:
         return None
@@ -472,8 +465,6 @@ _static(Cause.OVERFLOW, when=_op_in("exp", "expm1", "exp2", "sinh", "cosh"), src
 # -- lr -----------------------------------------------------------------------------------------
 def _lower_lr_remedy(f: Finding, ev: Evidence) -> Remedy | None:
     """The LR fix below as a change to the LR the scheduler sets (a multiplier above 1 has none)."""
-    if ascent(f):
-        return None
     lrs = lrs_seen(ev.reached)
     if lrs and multiplier_above_one(ev.reached, max(lrs)):
         return None
@@ -539,9 +530,8 @@ def _opt_name(ev: Evidence) -> str:
     return type(opts[0][1]).__name__ if opts else "AdamW"
 
 
-@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: Remedy(max_grad_norm=1.0)
-         if ev.reached.record is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE)
-         and ev.reached.snapshot is not None and _clip_of(ev) is None else None)
+@fix_for(Cause.OVERFLOW, Cause.LR_SPIKE, verify=lambda f, ev: Remedy(max_grad_norm=1.0) if ev.reached.record is not None
+         and ev.reached.snapshot is not None and f.phase in (Phase.BACKWARD, Phase.UPDATE) else None)
 def _clip(f: Finding, ev: Evidence) -> Fix | None:
     if f.cause is Cause.OVERFLOW and f.phase is Phase.FORWARD:
         return None
@@ -768,14 +758,12 @@ def attach(findings: list[Finding], ev: Evidence,
     out = []
     for i, f in enumerate(findings):
         templates = (MECHANISMS[f.mechanism] if f.mechanism is not None else []) + CATALOG[f.cause]
-        candidates: list[tuple[Fix, Remedy | None]] = []
-        titles: set[str] = set()
+        by_title: dict[str, tuple[Fix, Remedy | None]] = {}   # the first fix of each title
         for tpl in templates:
             fix = tpl.build(f, ev)
-            if fix is None or fix.title in titles:
-                continue
-            titles.add(fix.title)
-            candidates.append((fix, tpl.verify(f, ev) if tpl.verify is not None else None))
+            if fix is not None and fix.title not in by_title:
+                by_title[fix.title] = (fix, tpl.verify(f, ev) if tpl.verify is not None else None)
+        candidates = list(by_title.values())
         fixes = verify(f, candidates) if i == 0 and verify is not None else [fix for fix, _ in candidates]
         fixes.sort(key=lambda x: x.verified is False)
         out.append(dataclasses.replace(f, fixes=tuple(fixes)))

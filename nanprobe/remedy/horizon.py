@@ -34,7 +34,6 @@ from ..reach.replay import Reached, Replayer, measure
 from ..base.report import Fix, Status, StepRecord
 from ..locate.rerun import run_step
 from ..reach.state import RngTracker, Snapshot
-from ..reach.step import RunOptions
 
 
 # -- slow divergence --------------------------------------------------------------------------------
@@ -153,12 +152,10 @@ class Horizon:
         self.recorded: dict[int, Recorded] = {}
         self.notes: list[str] = []
         self.data_end: int | None = None          # the last step the data reaches, once seen
-        self.level: tuple[float, int, float] | None = None   # left_before: the run had broken away already
-        self.best: tuple[float, int, float] | None = None    # the unfixed run's best level before the start
+        self._own_snapshot = start != reached.step
         if start == reached.step:
             self.target, self.loop, self.snapshot = reached.loop.target, reached.loop, reached.snapshot
-            self.prefix = list(reached.history)
-            self._level([(h.step, h.loss) for h in reached.history])
+            self.prefix = history = list(reached.history)
             self.recorded[start] = reached.recorded
             self.rng = RngTracker(self.loop.device_type)
             self.stream = Stream(self.target, self.rng, record=False)
@@ -167,38 +164,26 @@ class Horizon:
             except DataEnd:
                 self.data_end = start
             self.stream.record = True
-            self._own_snapshot = False
-        else:
-            self._replay_to(loaded, start)
-            self._own_snapshot = True
+        else:   # build the target again and replay it to ``start`` (the state before the onset)
+            from ..reach.entry import load_target
+            device = device_of(reached.loop.target.model)
+            fresh = load_target(loaded.entry, device=None if device.type == "cpu" else str(device))
+            progress(f"replaying to step {start} (the onset) for the horizon")
+            r = Replayer(fresh.target, precision=self.precision, cfg=cfg.replay, where=self.where, policy=self.policy)
+            history: list[StepRecord] = [r.run(r.stream.open(k))[1] for k in range(start)]
+            self.target, self.loop, self.stream, self.rng = fresh.target, r.loop, r.stream, r.rng
+            self.loop.precision = self.precision
+            self.snapshot = self.loop.objects.take()
+            self.prefix = history[-cfg.replay.spike_window:]
+            self.check_same([(h.step, h.loss) for h in history])
+        m = cfg.monitor
+        before = [(h.step, h.loss) for h in history if h.loss is not None and h.step < start]
+        # level (left_before): the run had broken away already; best: the unfixed run's best level before the start
+        self.level = left_before(before, sigmas=m.breakaway_sigmas, rise=m.breakaway_rise)
+        self.best = best_level(before)
         bk = reached.breakaway   # the replay saw the whole run: its best level before the break-away
         if bk is not None and bk["best_step"] < start and (self.best is None or bk["best"] < self.best[0]):
             self.best = (bk["best"], bk["best_step"], bk["sigma"] / math.sqrt(5))
-
-    def _replay_to(self, loaded, start: int) -> None:
-        """Build the target again and replay it to ``start`` (the state before the onset)."""
-        from ..reach.entry import load_target
-        device = device_of(self.reached.loop.target.model)
-        fresh = load_target(loaded.entry, device=None if device.type == "cpu" else str(device))
-        self.progress(f"replaying to step {start} (the onset) for the horizon")
-        r = Replayer(fresh.target, precision=self.precision, cfg=self.cfg.replay, where=self.where,
-                     policy=self.policy)
-        history: list[StepRecord] = []
-        for k in range(start):
-            _, record, _, _ = r.run(r.stream.open(k))
-            history.append(record)
-        self.target, self.loop, self.stream, self.rng = fresh.target, r.loop, r.stream, r.rng
-        self.loop.precision = self.precision
-        self.snapshot = self.loop.objects.take()
-        self.prefix = history[-self.cfg.replay.spike_window:]
-        self._level([(h.step, h.loss) for h in history])
-        self.check_same([(h.step, h.loss) for h in history])
-
-    def _level(self, losses: list[tuple[int, float | None]]) -> None:
-        m = self.cfg.monitor
-        before = [(k, v) for k, v in losses if v is not None and k < self.start]
-        self.level = left_before(before, sigmas=m.breakaway_sigmas, rise=m.breakaway_rise)
-        self.best = best_level(before)
 
     def check_same(self, losses: list[tuple[int, float | None]]) -> None:
         """The steps the replay also ran must give the same losses (else the horizon is another run)."""
@@ -227,25 +212,19 @@ class Horizon:
             self.snapshot.release()
 
     # -- training ---------------------------------------------------------------------------------
-    def _feed(self, k: int):
-        rec = self.recorded.get(k)
-        if rec is not None:
-            return rec.feed(), False
-        if self.data_end is not None and k > self.data_end:
-            return None, False
+    def _step(self, k: int, remedy: Remedy):
+        """Train step ``k`` on its recorded batches, else on the stream's (recorded now); None past the data."""
+        live = k not in self.recorded
+        if live and self.data_end is not None and k > self.data_end:
+            return None
         try:
-            return self.stream.open(k), True
+            feed = self.stream.open(k) if live else self.recorded[k].feed()
         except DataEnd:
             self.data_end = k - 1
-            return None, False
-
-    def _step(self, k: int, options: RunOptions):
-        feed, live = self._feed(k)
-        if feed is None:
             return None
         self.rng.begin_step()
         try:
-            outcome = self.loop.run(feed, options)
+            outcome = self.loop.run(feed, remedy.options(self.precision, self.policy, self.loop, k))
         finally:
             self.rng.end_step()
         if live:
@@ -269,7 +248,7 @@ class Horizon:
                 for k in range(self.start, self.end + 1):
                     if (k - self.start) % every == 0:
                         rolling, rolling_at = self.loop.objects.take(reuse=rolling), k
-                    outcome = self._step(k, remedy.options(self.precision, self.policy, self.loop, k))
+                    outcome = self._step(k, remedy)
                     if outcome is None:
                         break
                     if not outcome.precision_applied:
@@ -314,7 +293,7 @@ class Horizon:
         rolling.restore(self.loop.objects)
         with remedy.applied(self.target):
             for j in range(at, k):
-                self._step(j, remedy.options(self.precision, self.policy, self.loop, j))
+                self._step(j, remedy)
         before = self.loop.objects.take()
         try:
             at_k = Reached(step=k, recorded=self.recorded[k], snapshot=before, loop=self.loop,
@@ -327,9 +306,7 @@ class Horizon:
         finally:
             before.release()
         e = t.origin
-        if e is None:
-            return None
-        return {"module": e.module, "op": e.op, "phase": e.phase.value, "kind": e.kind}
+        return None if e is None else {"module": e.module, "op": e.op, "phase": e.phase.value, "kind": e.kind}
 
 
 # -- verdicts ---------------------------------------------------------------------------------------
