@@ -243,9 +243,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
                                     or any(p.level == "error" for p in data)):
         status = Status.NONFINITE
     notes = list(reached.notes) + skipped_notes + ([skip_note] if skip_note else [])
-    error_line = None
+    error_line = reached.error.message if raised else None
     if raised:
-        error_line = reached.error.message
         notes.insert(0, f"the step raised: {error_line}")
     if fid.reproduced is False:
         notes.insert(0, "the rerun of this step does not reproduce the replayed one: " + "; ".join(fid.reasons[:2]))
@@ -329,9 +328,7 @@ def diagnose(entry: str, *, at: int | None = None, precision: str | None = None,
                                    extra=extra)
     report = diagnose_target(loaded, at=at, precision=precision, config=config, max_steps=max_steps,
                              on_progress=on_progress, policy=policy, reached=reached)
-    if extra:
-        report = dataclasses.replace(report, extra={**report.extra, **extra})
-    return dataclasses.replace(report, notes=tuple(notes) + report.notes) if notes else report
+    return dataclasses.replace(report, extra={**report.extra, **extra}, notes=tuple(notes) + report.notes)
 
 
 __all__ = ["diagnose", "diagnose_target", "origin_of"]

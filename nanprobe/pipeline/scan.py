@@ -328,21 +328,15 @@ class Scanner:
     # -- checks against running statistics ---------------------------------------------------------
     def _constant(self, ks: _Key, step: int, st: Stats) -> None:
         if st.min == st.max:
-            if ks.varied:
-                self._record(ks, self._constant_problem(ks, step, st.min, st.n))
-            else:
-                ks.constant_steps.append((step, st.min, st.n))
-        elif not ks.varied:
+            ks.constant_steps.append((step, st.min, st.n))
+        else:
             ks.varied = True
-            for s, value, n in ks.constant_steps:   # constant before the key was seen to vary
-                self._record(ks, self._constant_problem(ks, s, value, n))
+        if ks.varied:   # reported once the key is seen to vary (batches before that wait)
+            for s, value, n in ks.constant_steps:
+                self._record(ks, DataProblem(code="constant", level="warning", step=s, key=ks.key, count=n,
+                                             samples=(), value=value, message=f"{ks.key} is constant ({value:g} in "
+                                             f"all {n} values) while it varies in other batches"))
             ks.constant_steps.clear()
-
-    @staticmethod
-    def _constant_problem(ks: _Key, step: int, value: float, n: int) -> DataProblem:
-        return DataProblem(code="constant", level="warning", step=step, key=ks.key, count=n, samples=(),
-                           value=value, message=f"{ks.key} is constant ({value:g} in all {n} values) while it "
-                                                "varies in other batches")
 
     def _outlier(self, ks: _Key, step: int, leaf: Leaf, st: Stats) -> None:
         if ks.median is None or ks.scale is None:
@@ -432,10 +426,8 @@ def infer_num_classes(target: Target, batch: Any) -> int | None:
         return None
     outs = list(iter_tensors(captured[0], "output"))
     named = [t for k, t in outs if "logit" in key_name(k).lower()]
-    for t in named + [t for _, t in outs]:
-        if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= 2:
-            return int(t.shape[-1])
-    return None
+    return next((int(t.shape[-1]) for t in named + [t for _, t in outs]
+                 if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= 2), None)
 
 
 def first_sample(batch: Any) -> Any:

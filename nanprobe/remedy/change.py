@@ -112,9 +112,7 @@ class Remedy:
 
 def _unit(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """LayerNorm without affine parameters over ``dim`` (qk-layernorm's normalisation)."""
-    if dim in (-1, t.dim() - 1):
-        return F.layer_norm(t, t.shape[-1:]).to(t.dtype)
-    return F.layer_norm(t.transpose(dim, -1), t.shape[dim:dim + 1]).transpose(dim, -1).to(t.dtype)
+    return F.layer_norm(t.transpose(dim, -1), (t.shape[dim],)).transpose(dim, -1).to(t.dtype)
 
 
 _SDPA = F.scaled_dot_product_attention

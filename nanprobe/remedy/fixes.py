@@ -90,6 +90,12 @@ def _kind(ev: Evidence) -> str | None:
     return explained_by(ev.reached.error) or semantic_name(ev)
 
 
+def _group(ev: Evidence) -> dict[str, Any]:
+    """The first param group of the first optimizer ({} without one)."""
+    opts = ev.target.optimizers
+    return opts[0][1].param_groups[0] if opts and opts[0][1].param_groups else {}
+
+
 def _clip_of(ev: Evidence) -> float | None:
     """The max_grad_norm the user's loop already clips at (None: no clipping)."""
     clip = ev.target.max_grad_norm
@@ -168,8 +174,7 @@ def _z_loss(f: Finding, ev: Evidence) -> Fix | None:
 
 def _adam_change(ev: Evidence, key: str) -> tuple[Any, Any] | None:
     """(was, new) of the group key an Adam-second-moment fix changes; None where it is already safe."""
-    opts = ev.target.optimizers
-    g = opts[0][1].param_groups[0] if opts and opts[0][1].param_groups else {}
+    g = _group(ev)
     if "betas" not in g or "eps" not in g:
         return None
     if key == "betas":
@@ -259,16 +264,11 @@ def _applied_lr(f: Finding, ev: Evidence) -> Fix | None:
                    "a lower or warmed-up LR only makes the ascent slower")
 
 
-def _wd(ev: Evidence) -> float:
-    opts = ev.target.optimizers
-    return opts[0][1].param_groups[0].get("weight_decay", 0) if opts and opts[0][1].param_groups else 0
-
-
 @fix_for(Mechanism.OUTPUT_LOGIT_DIVERGENCE, Mechanism.ACTIVATION_GROWTH,
          verify=lambda f, ev: Remedy(param_overrides=(("weight_decay", 0.1),))
          if ev.target.optimizers and _opt_name(ev) == "AdamW" else None)
 def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
-    wd = _wd(ev)
+    wd = _group(ev).get("weight_decay", 0)
     if wd >= 0.1:
         return None
     return Fix(title="Use decoupled weight decay 0.1 (AdamW)",
@@ -468,13 +468,11 @@ def _lower_lr_remedy(f: Finding, ev: Evidence) -> Remedy | None:
     lrs = lrs_seen(ev.reached)
     if lrs and multiplier_above_one(ev.reached, max(lrs)):
         return None
-    w = warmup_steps(ev)
     owner = owning_group(ev, largest_update(ev))
     if owner is not None and owner.differs:   # the fix sets that group's LR to the other groups' (a typo)
-        target = max(owner.others)
-        scales = tuple(target / owner.lr if i == owner.index else 1.0 for i in range(owner.count))
-        return Remedy(lr_scale=scales)
-    return Remedy(lr_scale=0.1, warmup=w) if constant(lrs) else Remedy(warmup=w)
+        return Remedy(lr_scale=tuple(max(owner.others) / owner.lr if i == owner.index else 1.0
+                                     for i in range(owner.count)))
+    return Remedy(lr_scale=0.1 if constant(lrs) else None, warmup=warmup_steps(ev))
 
 
 def warmup_steps(ev: Evidence) -> int:

@@ -336,19 +336,18 @@ def verdict(h: Horizon, fixed: Run, unfixed: Run) -> tuple[bool | None, str, dic
     if last is None or last <= h.failing:
         return None, (f"trained only to step {last} (the data ends there): a rerun of step {h.failing} alone "
                       "does not show that a fix holds"), info
-    stopped = kept_learning(fixed.losses, h.best)
+    stopped = kept_learning(fixed.losses, h.best)   # None where h.best is None
     if stopped is not None:
         info["reason"] = stopped
-        info["loss_fixed"] = _tail_mean(fixed.losses)
+    info["loss_fixed"] = _tail_mean(fixed.losses)
+    if h.best is not None:
         info["best_before"] = h.best[0]
+    if stopped is not None:
         if stopped.startswith("not yet back"):   # learning, slower than the horizon: neither held nor failed
             return None, (f"not verified: trained to step {last} without failing, but {stopped} (a longer "
                           "horizon.margin would tell)"), info
         return False, f"trained to step {last} without failing, but {stopped}", info
     info["held"] = True
-    info["loss_fixed"] = _tail_mean(fixed.losses)
-    if h.best is not None:
-        info["best_before"] = h.best[0]
     covered = unfixed.last is not None and unfixed.last >= last   # the unfixed run trained the same steps
     info["loss_unfixed"] = _tail_mean(unfixed.losses, last) if covered else None
     if not covered:
