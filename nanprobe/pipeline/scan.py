@@ -346,21 +346,13 @@ class Scanner:
             return
         ks.zs.append(z)
         ks.judged += 1
-        warm = self.cfg.warmup_batches
         if z > self.cfg.zscore:
-            c = _Candidate(step=step, leaf=leaf, stats=st, median=ks.median, scale=ks.scale, z=z)
-            if ks.judged <= warm:   # judged once the key's typical z-score is known
-                ks.candidates.append(c)
-            elif z > (limit := self._limit(ks)):
-                self._record(ks, self._outlier_problem(ks, c, limit))
-        if ks.judged == warm:
+            ks.candidates.append(_Candidate(step=step, leaf=leaf, stats=st, median=ks.median, scale=ks.scale, z=z))
+        if ks.judged >= self.cfg.warmup_batches:   # judged once the key's typical z-score is known
             self._judge(ks)
 
-    def _limit(self, ks: _Key) -> float:
-        return max(self.cfg.zscore, self.cfg.typical_factor * statistics.median(ks.zs))
-
     def _judge(self, ks: _Key) -> None:
-        limit = self._limit(ks) if ks.candidates else math.inf
+        limit = max(self.cfg.zscore, self.cfg.typical_factor * statistics.median(ks.zs)) if ks.candidates else math.inf
         for c in ks.candidates:
             if c.z > limit:
                 self._record(ks, self._outlier_problem(ks, c, limit))
