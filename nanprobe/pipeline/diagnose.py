@@ -293,13 +293,9 @@ def _context(t: StepTrace, n: int):
     e = t.origin
     if e is None or e.phase.value != "forward":
         return tuple(ranges[-n:])
-    idx = [i for i, op_index in enumerate(t.trace.range_op_index) if op_index < e.index]
-    last = idx[-1] + 1 if idx else 0
+    last = max((i + 1 for i, op_index in enumerate(t.trace.range_op_index) if op_index < e.index), default=0)
     # include the module holding the origin (it finishes after the origin op)
-    for i in range(last, len(ranges)):
-        if ranges[i].module == e.module:
-            last = i + 1
-            break
+    last = next((i + 1 for i in range(last, len(ranges)) if ranges[i].module == e.module), last)
     return tuple(ranges[max(0, last - n):last])
 
 
