@@ -146,14 +146,6 @@ class Probe:
 
 
 @dataclass(slots=True)
-class _ModuleStat:
-    name: str
-    op_index: int
-    dtype: str
-    stats: torch.Tensor        # [absmax, min_nonzero, zero_frac, over_frac, under_frac, nonfinite]
-
-
-@dataclass(slots=True)
 class Trace:
     events: list[Event] = field(default_factory=list)
     ranges: list[ModuleRange] = field(default_factory=list)
@@ -224,15 +216,8 @@ def _written(func) -> tuple[tuple[int, str, bool], ...]:
 
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     """Tensors an in-place or out= op writes to (checked before the op overwrites them)."""
-    out: list[torch.Tensor] = []
-    for i, name, kwarg_only in _written(func):
-        value = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.numel() > 0:
-                out.append(value)
-        elif value is not None:
-            out.extend(_floats(value))
-    return out
+    return _floats([kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+                    for i, name, kwarg_only in _written(func)])
 
 
 class _OriginMode(TorchDispatchMode):
@@ -245,27 +230,21 @@ class _OriginMode(TorchDispatchMode):
         tr = self.tracker
         if not tr.active:
             return func(*args, **kwargs)
-        if func in _UNCHECKED or func.is_view:
-            try:   # not checked for new non-finite values, but where a step raises is always noted
-                out = func(*args, **kwargs)
-            except Exception:
-                tr._failed(func, args, kwargs)
-                raise
-            if func in _CASTS and _narrowing_cast(args, out):
-                tr._check(func, args, kwargs, out, [], None)
-            return out
-        mutated = _mutated(func, args, kwargs) if func._schema.is_mutable else []
+        checked = not (func in _UNCHECKED or func.is_view)
+        mutated = _mutated(func, args, kwargs) if checked and func._schema.is_mutable else []
         pre = None
-        if mutated and tr.checks(tr.trace.ops_checked + 1):   # before the op overwrites them
+        # checked one by one as it runs: the kinds of the tensors it writes, before the op overwrites them
+        if mutated and not tr.deferred and (tr.only is None or tr.trace.ops_checked + 1 in tr.only):
             with torch._C.DisableTorchFunction():
                 pre = _kinds(mutated)
-                tr.reads += 1
+                tr.trace.reads += 1
         try:
             out = func(*args, **kwargs)
-        except Exception:
+        except Exception:   # where a step raises is always noted, checked op or not
             tr._failed(func, args, kwargs)
             raise
-        tr._check(func, args, kwargs, out, mutated, pre)
+        if checked or func in _CASTS and _narrowing_cast(args, out):
+            tr._check(func, args, kwargs, out, mutated, pre)
         return out
 
 
@@ -286,8 +265,6 @@ class OriginTracker:
         # indices (no device sync for the others). Without either: every op is checked as it runs.
         self.deferred = deferred
         self.only = only
-        self.flagged: set[int] = set()        # deferred: indices of ops with a non-finite output
-        self.reads = 0                        # device-to-host reads the tracker made
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._bad_storages: set[int] = set()  # only-mode: outputs of flagged ops (their users propagate)
         # the phases whose ops are checked one by one (others run at full speed)
@@ -307,7 +284,8 @@ class OriginTracker:
         self.micro: int | None = None                 # micro-batch in progress (accumulation)
         self._micros = 1
         self.source_of_node = source_of_node          # node_seq whose forward line to read (anomaly rerun)
-        self._module_stats: list[_ModuleStat] = []
+        # (module, op index, dtype, [absmax, min_nonzero, zero_frac, over_frac, under_frac, nonfinite])
+        self._module_stats: list[tuple[str, int, str, torch.Tensor]] = []
         # the last module outputs, by reference: their ranges are computed only for the modules
         # just before the origin (or the end of the forward), not for every module
         self._recent: deque[tuple[str, torch.Tensor, int]] = deque(maxlen=6)
@@ -323,8 +301,7 @@ class OriginTracker:
         self._handles = [mm.register_module_forward_pre_hook(self._pre_hook),
                          mm.register_module_forward_hook(self._post_hook, always_call=True)]
         self._modes = [_OriginMode(self)]
-        for mode in self._modes:
-            mode.__enter__()
+        self._modes[0].__enter__()
         self.active = self.phase in self.phases
         return self
 
@@ -338,20 +315,14 @@ class OriginTracker:
         self._flush_recent()
         self._flush_pending()
         self._finish_ranges()
-        self.trace.flagged = set(self.flagged)
-        self.trace.reads = self.reads
-
-    def checks(self, index: int) -> bool:
-        """Whether op number ``index`` is checked as it runs (with device syncs)."""
-        return not self.deferred and (self.only is None or index in self.only)
 
     def _flush_pending(self) -> None:
         """Deferred mode: read the pending per-op sums in one go; note the ops that went non-finite."""
         if not self._pending:
             return
         values = torch.stack([v for _, v in self._pending]).tolist()
-        self.reads += 1
-        self.flagged.update(i for (i, _), v in zip(self._pending, values) if not math.isfinite(v))
+        self.trace.reads += 1
+        self.trace.flagged.update(i for (i, _), v in zip(self._pending, values) if not math.isfinite(v))
         self._pending = []
 
     def set_phase(self, phase: Phase) -> None:
@@ -375,9 +346,6 @@ class OriginTracker:
         self.batch_size = batch_size
 
     # -- module tracking -----------------------------------------------------------------
-    def current_module(self) -> str:
-        return self.stack[-1] if self.stack else LOSS_FN
-
     def _pre_hook(self, module, args):
         name = self.names.get(id(module))
         if name is not None and self.phase is Phase.FORWARD:
@@ -440,22 +408,20 @@ class OriginTracker:
                     (~zero & (a < self.limits.tiny)).float().mean(),
                     (~finite).float().sum(),
                 ])
-            self._module_stats.append(_ModuleStat(name=name,
-                                                  op_index=op_index,
-                                                  dtype=str(t.dtype).replace("torch.", ""), stats=stats))
+            self._module_stats.append((name, op_index, str(t.dtype).replace("torch.", ""), stats))
         finally:
             self.active = was
 
     def _finish_ranges(self) -> None:
         if not self._module_stats:
             return
-        rows = torch.stack([m.stats.cpu() for m in self._module_stats]).tolist()
-        self.reads += 1
-        for m, row in zip(self._module_stats, rows):
+        rows = torch.stack([m[3].cpu() for m in self._module_stats]).tolist()
+        self.trace.reads += 1
+        for (name, op_index, dtype, _), row in zip(self._module_stats, rows):
             self.trace.ranges.append(ModuleRange(
-                module=m.name, dtype=m.dtype, absmax=row[0], min_nonzero=None if math.isinf(row[1]) else row[1],
+                module=name, dtype=dtype, absmax=row[0], min_nonzero=None if math.isinf(row[1]) else row[1],
                 zero_frac=row[2], over_frac=row[3], under_frac=row[4], finite=row[5] == 0))
-            self.trace.range_op_index.append(m.op_index)
+            self.trace.range_op_index.append(op_index)
         self._module_stats = []
 
     # -- update phase --------------------------------------------------------------------
@@ -472,19 +438,6 @@ class OriginTracker:
                         if isinstance(value, torch.Tensor) and value.numel() > 1:
                             names[value.untyped_storage().data_ptr()] = (pname, key)
         self._storage_names = names
-
-    def _param_at(self, bad: torch.Tensor, outs: list[torch.Tensor], args: Any) -> torch.Tensor | None:
-        """The parameter at ``bad``'s position in a foreach op's tensor list, where exactly one param group
-        has that many parameters with a gradient (the lists an optimizer's foreach step walks)."""
-        for lst in [outs, *_tensor_lists(args)]:
-            i = next((k for k, t in enumerate(lst) if t is bad), None)
-            if i is None:
-                continue
-            groups = [[p for p in g["params"] if p.grad is not None] for o in self.optimizers
-                      for g in o.param_groups]
-            fits = [g for g in groups if len(g) == len(lst)]
-            return fits[0][i] if len(fits) == 1 else None
-        return None
 
     def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
         for t in tensors:
@@ -505,9 +458,8 @@ class OriginTracker:
                     v = state.get(key)
                     if isinstance(v, torch.Tensor) and v.numel():
                         vv = v.detach().float()
-                        info[f"{key}_min"] = vv.min().item()
-                        info[f"{key}_zeros"] = int((vv == 0).sum().item())
-                        info[f"{key}_numel"] = v.numel()
+                        info.update({f"{key}_min": vv.min().item(), f"{key}_zeros": int((vv == 0).sum().item()),
+                                     f"{key}_numel": v.numel()})
             return pname, info
         return None, None
 
@@ -533,8 +485,7 @@ class OriginTracker:
             outs = [out] if out.is_floating_point() and out.numel() > 0 else []
         else:
             outs = _floats(out)
-        if not outs:
-            outs = mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
+        outs = outs or mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
         if not outs:
             return
         was, self.active = self.active, False
@@ -560,14 +511,11 @@ class OriginTracker:
             probe.found = True
             probe.inputs = [_tensor_stats(t) for t in _floats((args, kwargs))]
             probe.out_absmax = max(_tensor_stats(t).absmax for t in outs)
-            self.reads += 2
+            self.trace.reads += 2
         if len(trace.events) >= MAX_EVENTS:
             return
         if self.deferred:
-            total = _sum(outs[0]).double()
-            for t in outs[1:]:
-                total = total + _sum(t).double().to(total.device)
-            self._pending.append((trace.ops_checked, total))
+            self._pending.append((trace.ops_checked, sum(_sum(t).double().to(outs[0].device) for t in outs)))
             return
         if self.only is not None:
             if trace.ops_checked not in self.only:
@@ -579,10 +527,10 @@ class OriginTracker:
             if propagated:
                 return   # fed by an op already found non-finite: a propagator (no sync spent on it)
         else:
-            self.reads += 1
+            self.trace.reads += 1
             if not _any_nonfinite(outs):
                 return
-        self.reads += 4   # the kinds of outputs and inputs, the count, the samples
+        self.trace.reads += 4   # the kinds of outputs and inputs, the count, the samples
         out_kinds = _kinds(outs)
         if not any(any(k) for k in out_kinds):
             return  # the sum overflowed, the values are finite
@@ -627,15 +575,21 @@ class OriginTracker:
             node_seq = node._sequence_nr() - self.base_seq if node is not None else None
         elif self.phase is Phase.UPDATE:
             # a foreach or fused op updates many parameters: the one named is the one whose tensor went
-            # non-finite (its index in the op's tensor lists), not the list's first
-            parameter, update_info = self._update_context(_same_index(bad_out, outs, (args, kwargs))
-                                                          + mutated + outs + inputs)
-            if parameter is None:   # a foreach op over temporaries (a denominator list): by position
-                param = self._param_at(bad_out, outs, (args, kwargs))
-                if param is not None:
-                    parameter, update_info = self._update_context([param])
+            # non-finite (its index i in the op's tensor lists), not the list's first: first the i-th tensor of
+            # every tensor list among the op's arguments (its parameter, gradient and optimizer state)
+            lists = _tensor_lists((args, kwargs))
+            i, n = _position(bad_out, [outs, *lists]) or (None, None)
+            same = [lst[i] for lst in lists if len(lst) == n and lst[i] is not bad_out] if i is not None else []
+            parameter, update_info = self._update_context([bad_out, *same, *mutated, *outs, *inputs])
+            if parameter is None and i is not None:
+                # a foreach op over temporaries (a denominator list): the parameter at that position, where
+                # exactly one param group has that many parameters with a gradient (the lists a foreach step walks)
+                fits = [g for g in ([p for p in g["params"] if p.grad is not None] for o in self.optimizers
+                                    for g in o.param_groups) if len(g) == n]
+                if len(fits) == 1:
+                    parameter, update_info = self._update_context([fits[0][i]])
             if parameter is not None:
-                module = parameter.rsplit(".", 1)[0] if "." in parameter else ""
+                module = parameter.rpartition(".")[0]
         if self.phase is Phase.FORWARD and not entered and not any(ev.phase is Phase.FORWARD for ev in trace.events):
             self._flush_recent()          # the modules just before the origin, as they are now
             self._origin_module = module  # and the origin's own module when it finishes
@@ -652,54 +606,39 @@ class OriginTracker:
         else:
             trace.events.append(event)
 
-    def _node_label(self) -> str | None:
-        node = torch._C._current_autograd_node()
+    def _module_for_op(self) -> str | None:
+        if self.phase is Phase.FORWARD:
+            return self.stack[-1] if self.stack else LOSS_FN
+        node = torch._C._current_autograd_node() if self.phase is Phase.BACKWARD else None
         if node is None:
             return None
         if self.source_of_node is not None and self.trace.node_source is None \
                 and node._sequence_nr() - self.base_seq == self.source_of_node:
             self.trace.node_source = _anomaly_source(node)
-        return self.node_labels.get(node)
-
-    def _module_for_op(self) -> str | None:
-        if self.phase is Phase.FORWARD:
-            return self.current_module()
-        if self.phase is Phase.BACKWARD:
-            label = self._node_label()
-            if label is not None:
-                return label
-            node = torch._C._current_autograd_node()
-            if node is not None and node.name() == "torch::autograd::AccumulateGrad":
-                var = getattr(node, "variable", None)
-                pname = self.param_names.get(id(var)) if var is not None else None
-                if pname:
-                    return pname.rsplit(".", 1)[0] if "." in pname else ""
-                return None
-            return LOSS_FN if node is not None else None  # created outside the model's modules
-        return None
+        label = self.node_labels.get(node)
+        if label is not None:
+            return label
+        if node.name() == "torch::autograd::AccumulateGrad":
+            pname = self.param_names.get(id(getattr(node, "variable", None)))
+            return pname.rpartition(".")[0] if pname else None
+        return LOSS_FN  # created outside the model's modules
 
 
-def _same_index(bad: torch.Tensor, outs: list[torch.Tensor], args: Any) -> list[torch.Tensor]:
-    """``bad`` and, where it is the i-th tensor of a foreach/fused op's tensor list, the i-th tensor of
-    every tensor list among the op's arguments (its parameter, gradient and optimizer state)."""
-    found = [bad]
-    lists = _tensor_lists(args)
-    for lst in [outs, *lists]:
+def _position(bad: torch.Tensor, lists: list[list[torch.Tensor]]) -> tuple[int, int] | None:
+    """``bad``'s index in the first of ``lists`` that holds it, and that list's length."""
+    for lst in lists:
         i = next((k for k, t in enumerate(lst) if t is bad), None)
-        if i is None:
-            continue
-        found += [other[i] for other in lists if len(other) == len(lst) and other[i] is not bad]
-        break
-    return found
+        if i is not None:
+            return i, len(lst)
+    return None
+
+
+def _is_tensor_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, torch.Tensor) for t in x)
 
 
 def _tensor_lists(args: Any) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = []
-    for a in tree_flatten(args, is_leaf=lambda x: isinstance(x, (list, tuple)) and bool(x)
-                          and all(isinstance(t, torch.Tensor) for t in x))[0]:
-        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
-            out.append(list(a))
-    return out
+    return [list(a) for a in tree_flatten(args, is_leaf=_is_tensor_list)[0] if _is_tensor_list(a)]
 
 
 def _next_sequence_nr() -> int:
