@@ -34,37 +34,31 @@ def _values(record: StepRecord | None, trace: StepTrace | None = None) -> dict[s
     return {"loss": record.loss, "grad_norm": record.grad_norm}
 
 
+def _agree(a: StepRecord, b: StepRecord, rtol: float | None) -> bool:
+    return _same(a.loss, b.loss, rtol) and _same(a.grad_norm, b.grad_norm, rtol)
+
+
 def matches(reached: Reached, trace: StepTrace, rtol: float | None) -> bool:
     """The rerun gave what the replay saw (both raised, or the same loss and gradient norm)."""
-    want = reached.record
-    if want is None:   # the replayed step raised: the rerun must raise too
+    if reached.record is None:   # the replayed step raised: the rerun must raise too
         return trace.record is None and trace.exc is not None
-    got = trace.record
-    if got is None:
-        return False
-    return _same(want.loss, got.loss, rtol) and _same(want.grad_norm, got.grad_norm, rtol)
-
-
-def tolerance(device: torch.device, rtol_cuda: float) -> float | None:
-    return None if device.type == "cpu" else rtol_cuda
+    return trace.record is not None and _agree(reached.record, trace.record, rtol)
 
 
 def check(reached: Reached, reruns: list[tuple[str, StepTrace]], device: torch.device, rtol_cuda: float,
           again: StepTrace | None = None) -> Fidelity:
     """Compare each comparable rerun with the replayed step; ``again`` is a second plain rerun made
     when the first disagreed (it tells carried state from a one-off difference)."""
-    rtol = tolerance(device, rtol_cuda)
+    rtol = None if device.type == "cpu" else rtol_cuda
     tol = "bitwise" if rtol is None else f"rtol {rtol:g}"
     if not reruns:
         return Fidelity(reproduced=None, tolerance=tol, replayed=_values(reached.record))
     rows = [dict(rerun=name, **_values(t.record, t), match=matches(reached, t, rtol)) for name, t in reruns]
     ok = all(r["match"] for r in rows)
-    reasons: list[str] = []
-    if not ok:
-        reasons = _reasons(reached, reruns, again, device, rtol)
-        if again is not None:
-            rows.append(dict(rerun="plain rerun (second)", **_values(again.record, again),
-                             match=matches(reached, again, rtol)))
+    reasons = [] if ok else _reasons(reached, reruns, again, device, rtol)
+    if not ok and again is not None:
+        rows.append(dict(rerun="plain rerun (second)", **_values(again.record, again),
+                         match=matches(reached, again, rtol)))
     return Fidelity(reproduced=ok, tolerance=tol, replayed=_values(reached.record), reruns=tuple(rows),
                     reasons=tuple(reasons))
 
@@ -83,9 +77,7 @@ def _reasons(reached: Reached, reruns: list[tuple[str, StepTrace]], again: StepT
                    "non-finite in one and finite in the other (not state nanprobe missed); to see whether the run "
                    "fails eagerly too, run it with TORCH_COMPILE_DISABLE=1")
     if again is not None and first.record is not None and again.record is not None:
-        reruns_agree = _same(first.record.loss, again.record.loss, rtol) and \
-            _same(first.record.grad_norm, again.record.grad_norm, rtol)
-        if not reruns_agree:
+        if not _agree(first.record, again.record, rtol):
             out.append("two reruns from the same state disagree: the step carries state between calls that "
                        "nanprobe does not capture (a global variable, an object outside the model and the step "
                        "function: e.g. a hidden state or a counter kept on another object), or it runs "
@@ -105,4 +97,4 @@ def _reasons(reached: Reached, reruns: list[tuple[str, StepTrace]], again: StepT
     return out
 
 
-__all__ = ["check", "matches", "tolerance"]
+__all__ = ["check", "matches"]

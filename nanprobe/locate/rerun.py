@@ -90,18 +90,6 @@ def _weights_dtype(loop: Loop, precision: Precision) -> torch.dtype | None:
     return None
 
 
-def _phases(tracker: OriginTracker | None, observe: Callable[[Phase], None] | None):
-    if tracker is None:
-        return observe
-
-    def set_phase(phase: Phase) -> None:
-        tracker.set_phase(phase)
-        if observe is not None:
-            observe(phase)
-
-    return set_phase
-
-
 def _scaler_for(loop: Loop, precision: Precision, grad_scaler: bool | None,
                 scale: float | None) -> Any:
     """The GradScaler a ``loss_fn`` rerun uses (RunOptions.scaler): the loop's own in its precision,
@@ -143,81 +131,80 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     per op; when an op went non-finite, a second pass checks those ops one by one.
     """
     loop = reached.loop
-    kw = dict(probe=probe, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-              param_overrides=param_overrides, grad_scaler=grad_scaler, scale=scale,
-              tolerate_errors=tolerate_errors, observe=observe, source_of_node=source_of_node,
-              restore_after=restore_after, phases=phases, ratios=ratios, update=update, emulate_fp16=emulate_fp16)
+    snapshot = reached.snapshot
+    skip_update = not update and loop.target.step_fn is None and reached.record is not None
+    sizes = [batch_size(item) for item in reached.recorded.items]
+    cast = _weights_dtype(loop, precision)
+
+    def once(mode: dict | None) -> StepTrace:
+        snapshot.restore(loop.objects, partial_ok=True)
+        tracker = OriginTracker(loop.target.model, [o for _, o in loop.target.optimizers],
+                                low_dtype=precision.dtype if precision.low else reached.precision.dtype
+                                if reached.precision.low else torch.float16,
+                                batch_size=sizes[0] if sizes else None, probe=probe,
+                                source_of_node=source_of_node, phases=phases, **(mode or {})) if instrument else None
+
+        def on_phase(phase: Phase) -> None:
+            tracker.set_phase(phase)
+            if observe is not None:
+                observe(phase)
+
+        def on_micro(j: int) -> None:
+            if tracker is not None:
+                tracker.set_micro(j, sizes[j] if j < len(sizes) else None, len(sizes))
+
+        options = RunOptions(precision=precision, policy=reached.policy,
+                             on_phase=on_phase if tracker is not None else observe,
+                             on_micro=on_micro, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
+                             param_overrides=param_overrides,
+                             scaler=_scaler_for(loop, precision, grad_scaler, scale),
+                             stop_before_update=skip_update)
+        feed = reached.recorded.feed()
+        try:
+            with contextlib.ExitStack() as stack:
+                if emulate_fp16 and precision is Precision.FP16 and loop.device_type == "cpu":
+                    stack.enter_context(emulate_fp16_matmuls())   # outermost: the tracker above sees the user's ops
+                if cast is not None:  # the user's objects get their dtypes back when the stack exits
+                    if loop.target.weights is not None:   # the user's own casts to the weights' dtype follow them
+                        stack.enter_context(retarget_casts(loop.target.weights.dtype, cast))
+                    stack.enter_context(_cast_weights(loop, snapshot, update=not skip_update, dtype=cast))
+                    feed = _CastFeed(feed, cast, None if cast is torch.float64 else loop.target.weights.dtype)
+                if source_of_node is not None:  # anomaly mode records each node's forward stack
+                    stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
+                with tracker if tracker is not None else contextlib.nullcontext():
+                    outcome: StepOutcome = loop.run(feed, options)
+                # measured before the stack exits: leaving float64 puts the weights back
+                record, update_ratios, _ = measure(loop, outcome, reached.step,
+                                                   before=snapshot.model if ratios and not skip_update else None,
+                                                   position=reached.position)
+            if skip_update:   # the update was not rerun: its ratio is the replayed step's own
+                record = dataclasses.replace(record, update_ratio=reached.record.update_ratio)
+                update_ratios = dict(reached.step_ratios)
+            note = None if outcome.precision_applied else (
+                f"{precision.value} could not be applied: your step_fn enters no torch.autocast, so nanprobe has "
+                "no autocast to rewrite")
+            return StepTrace(precision=precision, record=record, trace=tracker.trace if tracker else None,
+                             update_ratios=update_ratios, note=note, applied=outcome.precision_applied,
+                             outcome=outcome)
+        except UserCodeError as exc:  # e.g. an op without a kernel for this dtype on this device
+            if not tolerate_errors:
+                raise
+            return StepTrace(precision=precision, record=None, trace=tracker.trace if tracker else None,
+                             error=exc.message, exc=exc)
+        finally:
+            if restore_after or (cast is not None and not skip_update):
+                snapshot.restore(loop.objects, partial_ok=True)
+
     if instrument and (loop.device_type == "cuda" if deferred is None else deferred):
-        first = _run_step(reached, precision, instrument=True, mode={"deferred": True}, **kw)
+        first = once({"deferred": True})
         flagged = first.trace.flagged if first.trace is not None else set()
         if not flagged:
             return first
-        second = _run_step(reached, precision, instrument=True, mode={"only": frozenset(flagged)}, **kw)
+        second = once({"only": frozenset(flagged)})
         if second.trace is not None:
             second.trace.reads += first.trace.reads
         return second
-    return _run_step(reached, precision, instrument=instrument, mode=None, **kw)
-
-
-def _run_step(reached: Reached, precision: Precision, *, instrument: bool,
-              probe: Probe | None, max_grad_norm, lr_scale, param_overrides, grad_scaler, scale,
-              tolerate_errors: bool, observe, source_of_node, restore_after: bool, phases, ratios: bool,
-              update: bool, emulate_fp16: bool, mode: dict | None) -> StepTrace:
-    loop = reached.loop
-    snapshot = reached.snapshot
-    skip_update = not update and loop.target.step_fn is None and reached.record is not None
-    snapshot.restore(loop.objects, partial_ok=True)
-    sizes = [batch_size(item) for item in reached.recorded.items]
-    tracker = OriginTracker(loop.target.model, [o for _, o in loop.target.optimizers],
-                            low_dtype=precision.dtype if precision.low else reached.precision.dtype
-                            if reached.precision.low else torch.float16,
-                            batch_size=sizes[0] if sizes else None, probe=probe,
-                            source_of_node=source_of_node, phases=phases, **(mode or {})) if instrument else None
-
-    def on_micro(j: int) -> None:
-        if tracker is not None:
-            tracker.set_micro(j, sizes[j] if j < len(sizes) else None, len(sizes))
-
-    options = RunOptions(precision=precision, policy=reached.policy, on_phase=_phases(tracker, observe),
-                         on_micro=on_micro, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-                         param_overrides=param_overrides,
-                         scaler=_scaler_for(loop, precision, grad_scaler, scale),
-                         stop_before_update=skip_update)
-    feed = reached.recorded.feed()
-    try:
-        with contextlib.ExitStack() as stack:
-            if emulate_fp16 and precision is Precision.FP16 and loop.device_type == "cpu":
-                stack.enter_context(emulate_fp16_matmuls())   # outermost: the tracker above sees the user's ops
-            cast = _weights_dtype(loop, precision)
-            if cast is not None:  # the user's objects get their dtypes back when the stack exits
-                if loop.target.weights is not None:   # the user's own casts to the weights' dtype follow them
-                    stack.enter_context(retarget_casts(loop.target.weights.dtype, cast))
-                stack.enter_context(_cast_weights(loop, snapshot, update=not skip_update, dtype=cast))
-                feed = _CastFeed(feed, cast, None if cast is torch.float64 else loop.target.weights.dtype)
-            if source_of_node is not None:  # anomaly mode records each node's forward stack
-                stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
-            with tracker if tracker is not None else contextlib.nullcontext():
-                outcome: StepOutcome = loop.run(feed, options)
-            # measured before the stack exits: leaving float64 puts the weights back
-            record, update_ratios, _ = measure(loop, outcome, reached.step,
-                                               before=snapshot.model if ratios and not skip_update else None,
-                                               position=reached.position)
-        if skip_update:   # the update was not rerun: its ratio is the replayed step's own
-            record = dataclasses.replace(record, update_ratio=reached.record.update_ratio)
-            update_ratios = dict(reached.step_ratios)
-        note = None if outcome.precision_applied else (
-            f"{precision.value} could not be applied: your step_fn enters no torch.autocast, so nanprobe has "
-            "no autocast to rewrite")
-        return StepTrace(precision=precision, record=record, trace=tracker.trace if tracker else None,
-                         update_ratios=update_ratios, note=note, applied=outcome.precision_applied, outcome=outcome)
-    except UserCodeError as exc:  # e.g. an op without a kernel for this dtype on this device
-        if not tolerate_errors:
-            raise
-        return StepTrace(precision=precision, record=None, trace=tracker.trace if tracker else None,
-                         error=exc.message, exc=exc)
-    finally:
-        if restore_after or (_weights_dtype(loop, precision) is not None and not skip_update):
-            snapshot.restore(loop.objects, partial_ok=True)
+    return once(None)
 
 
 class _CastFeed:
