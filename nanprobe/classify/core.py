@@ -50,13 +50,9 @@ register_family("accum", "mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "c
                 "_foreach_mul", "_foreach_mul_", "_foreach_addcmul_", "_foreach_lerp_", "lerp_", "dot", "mv",
                 "prod", "_fused_adam_", "_fused_adamw_", "gelu", "silu", "tanh", "sigmoid")
 
-_NODE_ALIASES = {"LinalgVectorNorm": "linalg_vector_norm", "Norm": "norm", "Sqrt": "sqrt", "Rsqrt": "rsqrt",
-                 "Log": "log", "Log2": "log2", "Log10": "log10", "Log1p": "log1p", "Div": "div", "Pow": "pow",
-                 "Acos": "acos", "Asin": "asin", "Atanh": "atanh", "Acosh": "acosh", "Exp": "exp",
-                 "Reciprocal": "reciprocal", "Std": "std", "Var": "var", "Cdist": "cdist",
-                 "NativeLayerNorm": "native_layer_norm", "NativeBatchNorm": "native_batch_norm",
-                 "Mean": "mean", "Lgamma": "lgamma", "Digamma": "digamma", "Erfinv": "erfinv", "Xlogy": "xlogy",
-                 "Softplus": "softplus", "Expm1": "expm1", "Logit": "logit"}
+# node bases whose aten name is not just the lower-cased node name (SqrtBackward0 -> sqrt)
+_NODE_ALIASES = {"LinalgVectorNorm": "linalg_vector_norm", "NativeLayerNorm": "native_layer_norm",
+                 "NativeBatchNorm": "native_batch_norm"}
 
 
 def op_base(op: str | None) -> str:
@@ -69,12 +65,8 @@ def op_base(op: str | None) -> str:
 
 def node_base(node: str | None) -> str:
     """``SqrtBackward0`` -> ``sqrt``."""
-    if not node:
-        return ""
-    m = re.match(r"([A-Za-z0-9]+?)Backward\d*$", node)
-    if not m:
-        return ""
-    return _NODE_ALIASES.get(m.group(1), m.group(1).lower())
+    m = re.match(r"([A-Za-z0-9]+?)Backward\d*$", node or "")
+    return _NODE_ALIASES.get(m.group(1), m.group(1).lower()) if m else ""
 
 
 def family_of(event: Event) -> str:
@@ -107,10 +99,10 @@ class Evidence:
 
     @property
     def reference_finite(self) -> bool | None:
-        if self.reference is None or self.reference.record is None:
+        ref = self.reference
+        if ref is None or ref.record is None:
             return None
-        return self.reference.finite and not self.reference.trace.events if self.reference.trace else \
-            self.reference.finite
+        return ref.finite and not (ref.trace and ref.trace.events)
 
 
 Rule = Callable[[Evidence], list[Finding]]
@@ -260,7 +252,7 @@ def unknown_step(ev: Evidence) -> Finding | None:
     return finding(Cause.UNKNOWN, 0.2, None, [
         *raw_facts(ev),
         "no op of the instrumented rerun produced a non-finite value and no rule explains the step: read the "
-        "numbers above, and the fixes below for how to see more"], phase=phase, module=None, op=None)
+        "numbers above, and the fixes below for how to see more"], phase=phase)
 
 
 def unknown_origin(e: Event, extra: list[str] | None = None) -> Finding:

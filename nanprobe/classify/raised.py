@@ -32,34 +32,29 @@ def on_error(pattern: str) -> Callable[[Explain], Explain]:
     return deco
 
 
-def _text(error: UserCodeError) -> str:
-    return f"{type(error.exc).__name__}: {error.exc}"
+def _entry(error: UserCodeError | None) -> tuple[Explain, re.Match[str]] | None:
+    """The first registered entry whose pattern matches the exception's ``Type: message``, and its match."""
+    if error is None:
+        return None
+    text = f"{type(error.exc).__name__}: {error.exc}"
+    return next(((fn, m) for pat, fn in _ERRORS if (m := pat.search(text))), None)
 
 
 def explains(error: UserCodeError | None) -> bool:
     """Whether a registered entry gives the step's exception a cause (else it is a bug: exit 2)."""
-    return explained_by(error) is not None
+    return _entry(error) is not None
 
 
 def explained_by(error: UserCodeError | None) -> str | None:
     """The name of the entry that explains the exception (the fix catalog adapts to it)."""
-    if error is None:
-        return None
-    text = _text(error)
-    return next((fn.__name__ for pat, fn in _ERRORS if pat.search(text)), None)
+    hit = _entry(error)
+    return hit[0].__name__ if hit is not None else None
 
 
 @rule
 def raised_rule(ev: Evidence) -> list[Finding]:
-    error = ev.reached.error
-    if error is None:
-        return []
-    text = _text(error)
-    for pat, fn in _ERRORS:
-        m = pat.search(text)
-        if m:
-            return fn(ev, m)
-    return []
+    hit = _entry(ev.reached.error)
+    return hit[0](ev, hit[1]) if hit is not None else []
 
 
 def _failed(ev: Evidence) -> Failed | None:
@@ -103,7 +98,7 @@ def embedding_index(ev: Evidence, m: re.Match[str]) -> list[Finding]:
                 break
     lines.append("an id the table does not have: a tokenizer with added (special) tokens whose embedding was not "
                  "resized, or ids from another vocabulary")
-    return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT, module=None, op=None)]
+    return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT)]
 
 
 def holding(batch, value: int) -> tuple[str, list[int]] | None:
@@ -128,7 +123,7 @@ def label_out_of_range(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     found = holding(ev.reached.batch, value)
     if found is not None:
         lines.append(f"{found[0]} holds label {value} (samples {found[1]})")
-    return [finding(Cause.DATA, 0.9 if found else 0.85, None, lines, phase=Phase.INPUT, module=None, op=None)]
+    return [finding(Cause.DATA, 0.9 if found else 0.85, None, lines, phase=Phase.INPUT)]
 
 
 @on_error(r"all elements of (input|target) should be between 0 and 1")
@@ -142,7 +137,7 @@ def bce_outside_unit_interval(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     rng = f" ranges from {g(lo)} to {g(hi)}" if lo is not None else " is outside [0, 1]"
     lines = [_first_line(ev), f"binary_cross_entropy needs probabilities in [0, 1]; its {what}{rng}"]
     if what == "target":
-        return [finding(Cause.DATA, 0.9, None, lines, phase=Phase.INPUT, module=None, op=None)]
+        return [finding(Cause.DATA, 0.9, None, lines, phase=Phase.INPUT)]
     lines.append("these are logits (or scores), not probabilities: binary_cross_entropy_with_logits takes them "
                  "as they are, and is stable where sigmoid + BCE is not")
     return [finding(Cause.DOMAIN, 0.9, None, lines, phase=f.phase if f else Phase.FORWARD,
@@ -165,14 +160,14 @@ def constant_beyond_dtype(ev: Evidence, m: re.Match[str]) -> list[Finding]:
 def ctc_lengths(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     return [finding(Cause.DATA, 0.85, None, [_first_line(ev), "ctc_loss got lengths that do not fit the "
                                              "tensors: input_lengths past the time axis, or target_lengths past "
-                                             "the targets"], phase=Phase.INPUT, module=None, op=None)]
+                                             "the targets"], phase=Phase.INPUT)]
 
 
 @on_error(r"device-side assert triggered")
 def device_assert(ev: Evidence, m: re.Match[str]) -> list[Finding]:
     return [finding(Cause.DATA, 0.5, None, [_first_line(ev), "a CUDA device-side assert is almost always an index "
                                             "or label out of range; rerun on CPU (--device cpu) for the exact "
-                                            "message"], phase=Phase.INPUT, module=None, op=None)]
+                                            "message"], phase=Phase.INPUT)]
 
 
 @on_error(r"LinAlgError|not positive-definite|singular")

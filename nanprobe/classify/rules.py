@@ -33,7 +33,7 @@ def data_rule(ev: Evidence) -> list[Finding]:
         lines.append(f"the step raised before any NaN existed: {ev.reached.error.message}")
     if ev.origin is not None:   # one story: the batch is why, the origin is where (its phase, module, op)
         return [finding(Cause.DATA, conf, ev.origin, lines)]
-    return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT, module=None, op=None)]
+    return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT)]
 
 
 # -- divergence: is the step size to blame? ----------------------------------------------------------
@@ -186,7 +186,7 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
             f"step {ev.reached.step}: {reason}",
             *(q.message + (f"; samples {list(q.samples)}" if q.samples else "") for q in shifts[:3]), *lines,
             *(["the step size did not change and the updates are small: the LR does not explain it"]
-              if not strength else [])], phase=Phase.INPUT, module=None, op=None))
+              if not strength else [])], phase=Phase.INPUT))
     if not strength:
         if found or not spike or any(p.level == "error" for p in ev.data):
             return found
@@ -203,7 +203,7 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
             f"the check that tells them apart: rerun step {ev.reached.step} from the same state with the batch of "
             f"step {ev.reached.step - 1} (a spike that stays is the step size), or with a 10x smaller LR (a spike "
             "that stays is the data)"],
-            phase=Phase.INPUT, module=None, op=None)]
+            phase=Phase.INPUT)]
     conf = strength
     if any(p.level == "error" for p in ev.data):
         conf -= 0.4  # bad data explains the blow-up better
@@ -221,7 +221,7 @@ def divergence_rule(ev: Evidence) -> list[Finding]:
         return found   # the other evidence explains the step: a step size at no confidence is no finding
     if reason:
         lines.insert(0, f"replay: {reason} at step {ev.reached.step}")
-    return found + [finding(Cause.LR_SPIKE, conf, None, lines, phase=Phase.UPDATE, module=module, op=None)]
+    return found + [finding(Cause.LR_SPIKE, conf, None, lines, phase=Phase.UPDATE, module=module)]
 
 
 @rule
@@ -233,7 +233,7 @@ def not_reproduced_rule(ev: Evidence) -> list[Finding]:
         f"replay saw {ev.reached.reason} at step {ev.reached.step}",
         f"the rerun of the same step from the same state, batch and RNG is finite (loss {g(ev.main.record.loss)})",
         "suspect nondeterminism (atomics, thread count, cuDNN autotune) or hardware (ECC errors, overheating)",
-    ], phase=Phase.FORWARD, module=None, op=None)]
+    ])]
 
 
 @rule
@@ -250,7 +250,7 @@ def corrupted_state_rule(ev: Evidence) -> list[Finding]:
         f"(first: {bad[0]}); nothing in this step produced them",
         f"an earlier update (or the checkpoint {ev.reached.reached_by!r} started from) wrote them: "
         "diagnose an earlier step with --at, or check the checkpoint",
-    ], phase=Phase.UPDATE, module=module, op=None)]
+    ], phase=Phase.UPDATE, module=module)]
 
 
 # -- the origin op ------------------------------------------------------------------------------------
@@ -305,32 +305,27 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         The op itself may run in float32 (CUDA autocast upcasts log, exp, pow...) while its zero
         input was flushed upstream in fp16: what matters is that the run is in low precision.
         """
-        if not ev.reached.precision.low or probe is None or probe.inputs is None:
+        if not ev.reached.precision.low or probe is None or probe.inputs is None or n_zeros <= zeros(probe.inputs):
             return False
         # watch --at has no reference rerun: its probe recomputed the op that made the input in float32
         ref = ev.reference.precision.value if ev.reference is not None else "fp32 (the op that made it, recomputed)"
-        ref_zeros = zeros(probe.inputs)
-        if n_zeros > ref_zeros:
-            tiny = min((s.min_nonzero for s in probe.inputs if s.min_nonzero is not None), default=None)
-            run_dtype = str(ev.reached.precision.dtype).replace("torch.", "")
-            lim = limits(ev.reached.precision.dtype)
-            if tiny is not None and tiny >= lim.tiny:
-                # no reference value is small enough to flush: the zeros are rounding (the cancellation of
-                # nearly equal terms, e.g. E[x^2] - E[x]^2), the low precision's lack of digits, not its range
-                lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
-                             f"{ev.reached.precision.value} run but non-zero in {ref} "
-                             f"(smallest {g(tiny)}, within {run_dtype}'s range): rounding cancelled them (a "
-                             f"difference of nearly equal terms); precision is the problem, not the data")
-                return False
-            lines.append(f"{n_zeros - ref_zeros} input value(s) of {e.op} are exactly 0 in the "
-                         f"{ev.reached.precision.value} run but non-zero in {ref} (smallest "
-                         f"{g(tiny)}; {run_dtype} flushes below {lim.subnormal:.2g})")
-            findings.append(finding(Cause.UNDERFLOW, 0.92, e, lines))
-            findings.append(finding(Cause(kind), 0.6, e, lines[:1] + [
-                f"secondary: {base or nbase} of the underflowed zero(s) gives {e.kind}; guarding the {kind} alone "
-                "hides the lost precision"]))
-            return True
-        return False
+        tiny = min((s.min_nonzero for s in probe.inputs if s.min_nonzero is not None), default=None)
+        run_dtype = str(ev.reached.precision.dtype).replace("torch.", "")
+        lim = limits(ev.reached.precision.dtype)
+        head = (f"{n_zeros - zeros(probe.inputs)} input value(s) of {e.op} are exactly 0 in the "
+                f"{ev.reached.precision.value} run but non-zero in {ref} (smallest {g(tiny)}")
+        if tiny is not None and tiny >= lim.tiny:
+            # no reference value is small enough to flush: the zeros are rounding (the cancellation of
+            # nearly equal terms, e.g. E[x^2] - E[x]^2), the low precision's lack of digits, not its range
+            lines.append(f"{head}, within {run_dtype}'s range): rounding cancelled them (a difference of nearly "
+                         "equal terms); precision is the problem, not the data")
+            return False
+        lines.append(f"{head}; {run_dtype} flushes below {lim.subnormal:.2g})")
+        findings.append(finding(Cause.UNDERFLOW, 0.92, e, lines))
+        findings.append(finding(Cause(kind), 0.6, e, lines[:1] + [
+            f"secondary: {base or nbase} of the underflowed zero(s) gives {e.kind}; guarding the {kind} alone "
+            "hides the lost precision"]))
+        return True
 
     if e.phase is Phase.UPDATE:
         info = e.update_info or {}
@@ -373,36 +368,32 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         if base.startswith("pow") or nbase == "pow":
             exps = [s for s in e.scalars if isinstance(s, float)]
             if exps and 0 < abs(exps[0]) < 1 and e.phase is Phase.BACKWARD:
-                lines.append(f"gradient of x**{exps[0]:g} is infinite at x = 0")
-                return [finding(Cause.SQRT, 0.85, e, lines)]
+                return [finding(Cause.SQRT, 0.85, e, lines + [f"gradient of x**{exps[0]:g} is infinite at x = 0"])]
             if min_in is not None and min_in < 0 and e.kind == "nan":
-                lines.append(f"pow of a negative base (min {g(min_in)}) with a fractional exponent "
-                             f"{exps[0] if exps else ''}")
-                return [finding(Cause.DOMAIN, 0.9, e, lines)]
+                return [finding(Cause.DOMAIN, 0.9, e, lines + [f"pow of a negative base (min {g(min_in)}) with a "
+                                                               f"fractional exponent {exps[0] if exps else ''}"])]
             if e.kind != "nan":
                 if underflow_check("div"):
                     return findings
                 return [finding(Cause.OVERFLOW if low else Cause.DIV, 0.7, e, lines)]
-        lines.append(f"input outside the domain of {nbase or base} (min {g(min_in)}, max "
-                     f"{g(max((s.max for s in ins), default=None))})")
-        return [finding(Cause.DOMAIN, 0.9, e, lines)]
+        return [finding(Cause.DOMAIN, 0.9, e, lines + [f"input outside the domain of {nbase or base} (min {g(min_in)}, "
+                                                       f"max {g(max((s.max for s in ins), default=None))})"])]
     if fam == "div":
         if base == "_softmax" and e.kind == "nan":
-            lines.append("softmax over a row whose entries are all -inf (a fully masked row): 0/0")
-            return [finding(Cause.DIV, 0.8, e, lines)]
+            return [finding(Cause.DIV, 0.8, e, lines + [
+                "softmax over a row whose entries are all -inf (a fully masked row): 0/0"])]
         if base.startswith("nll_loss") or base == "mean":
-            lines.append("a mean over zero elements (0/0): every label ignored or an empty selection")
-            return [finding(Cause.DIV, 0.8, e, lines)]
+            return [finding(Cause.DIV, 0.8, e, lines + [
+                "a mean over zero elements (0/0): every label ignored or an empty selection"])]
         if underflow_check("div"):
             return findings
         if n_zeros or e.kind == "nan":
-            lines.append(f"division by zero ({n_zeros} zero value(s) among the inputs)")
-            return [finding(Cause.DIV, 0.9, e, lines)]
+            return [finding(Cause.DIV, 0.9, e, lines + [f"division by zero ({n_zeros} zero value(s) among the "
+                                                        "inputs)"])]
         if low:
             return [finding(Cause.OVERFLOW, 0.8, e, lines + [
                 f"the quotient exceeds the {e.out_dtype} maximum {dtype_max(e.out_dtype):g}"])]
-        lines.append("division by a near-zero value")
-        return [finding(Cause.DIV, 0.8, e, lines)]
+        return [finding(Cause.DIV, 0.8, e, lines + ["division by a near-zero value"])]
     if fam in ("exp", "accum"):
         return [_overflow(ev, e, fam, lines, low, ref_ok, probe)]
     # an op no family knows: overflow only where the magnitudes say so
@@ -416,36 +407,25 @@ def origin_rule(ev: Evidence) -> list[Finding]:
 
 
 def _overflow(ev: Evidence, e, fam: str, lines: list[str], low: bool, ref_ok: bool | None, probe) -> Finding:
-    base = op_base(e.op)
-    ins = e.inputs
-    if e.kind == "nan" and fam != "exp" and not low:
-        # inf - inf or 0 * inf inside one op
-        lines.append("the op itself combined an overflow with a subtraction or a zero (inf - inf, 0 * inf)")
+    big = max((s.absmax for s in e.inputs), default=None)
+    if not low:
+        if e.kind == "nan" and fam != "exp":
+            # inf - inf or 0 * inf inside one op
+            lines.append("the op itself combined an overflow with a subtraction or a zero (inf - inf, 0 * inf)")
+        lines.append(f"exp of inputs up to {g(big)} (float32 exp overflows above 88.7)" if fam == "exp"
+                     else f"inputs reach |x| = {g(big)}: the result exceeds the float32 maximum 3.4e38")
+        return finding(Cause.OVERFLOW, 0.8, e, lines)
     conf = 0.85
-    if low and base in ("_to_copy", "copy_"):
-        big = max((s.absmax for s in ins), default=None)
-        lim = dtype_max(e.out_dtype)
-        if big is not None and big > lim:
-            lines.append(f"casting values up to |x| = {g(big)} to {e.out_dtype} (max {lim:g}) gives inf")
+    lim = dtype_max(e.out_dtype)
+    if op_base(e.op) in ("_to_copy", "copy_") and big is not None and big > lim:
+        lines.append(f"casting values up to |x| = {g(big)} to {e.out_dtype} (max {lim:g}) gives inf")
+        conf = 0.95
+    if probe is not None and probe.out_absmax is not None:
+        lines.append(f"in {ev.reference.precision.value} the same op reaches |x| = {g(probe.out_absmax)} "
+                     f"({'> ' if probe.out_absmax > lim else '<= '}{e.out_dtype} max {lim:g})")
+        if probe.out_absmax > lim:
             conf = 0.95
-    if low:
-        lim = dtype_max(e.out_dtype)
-        if probe is not None and probe.out_absmax is not None:
-            lines.append(f"in {ev.reference.precision.value} the same op reaches |x| = {g(probe.out_absmax)} "
-                         f"({'> ' if probe.out_absmax > lim else '<= '}{e.out_dtype} max {lim:g})")
-            if probe.out_absmax > lim:
-                conf = 0.95
-        if ref_ok:
-            conf = max(conf, 0.9)
-        scale_lines, scale_conf = _scale_lines(ev, probe.out_absmax if probe is not None else None, lim)
-        if scale_lines:
-            lines += scale_lines
-            conf = scale_conf
-    else:
-        big = max((s.absmax for s in ins), default=None)
-        if fam == "exp":
-            lines.append(f"exp of inputs up to {g(big)} (float32 exp overflows above 88.7)")
-        else:
-            lines.append(f"inputs reach |x| = {g(big)}: the result exceeds the float32 maximum 3.4e38")
-        conf = 0.8
-    return finding(Cause.OVERFLOW, conf, e, lines)
+    if ref_ok:
+        conf = max(conf, 0.9)
+    scale_lines, scale_conf = _scale_lines(ev, probe.out_absmax if probe is not None else None, lim)
+    return finding(Cause.OVERFLOW, scale_conf if scale_lines else conf, e, lines + scale_lines)
