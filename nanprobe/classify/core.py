@@ -220,11 +220,9 @@ def raw_facts(ev: Evidence) -> list[str]:
 def unknown_step(ev: Evidence) -> Finding | None:
     """A bad step no rule explained: still a finding, with the origin where one was seen, a low confidence and
     the raw facts (never an empty answer)."""
-    bad = ev.reached.status is not Status.FINITE or not ev.main.finite or entered(ev) is not None \
-        or ev.reached.error is not None
-    if not bad:
-        return None
     e = entered(ev)
+    if ev.reached.status is Status.FINITE and ev.main.finite and e is None and ev.reached.error is None:
+        return None
     if e is not None and nonfinite_state(ev):
         return None   # the value entered from weights already non-finite: the corrupted-state rule says so
     if e is not None:
@@ -314,8 +312,6 @@ class GroupLR:
 
 def owning_group(ev: Evidence, parameter: str | None) -> GroupLR | None:
     """The param group (of the target's optimizers) holding ``parameter`` (a model parameter name)."""
-    if not parameter:
-        return None
     p = dict(ev.target.model.named_parameters()).get(parameter)
     if p is None:
         return None

@@ -25,13 +25,10 @@ def _near_max(ranges, prec: Precision, factor: float = 2.0) -> list[str]:
         return []
     top = limits(prec.dtype).max
     near = sorted((r for r in ranges if r.absmax >= top / factor or not r.finite), key=lambda r: -r.absmax)
-    out, seen = [], set()
+    out: dict[str, str] = {}   # each module once, at its largest
     for r in near:
-        if r.module in seen:
-            continue
-        seen.add(r.module)
-        out.append(f"{r.module} {r.absmax:.3g}" if r.finite else f"{r.module} non-finite")
-    return out
+        out.setdefault(r.module, f"{r.module} {r.absmax:.3g}" if r.finite else f"{r.module} non-finite")
+    return list(out.values())
 
 
 def _pick(signals: list[Signal], origin_module: str | None) -> Signal:
@@ -62,10 +59,9 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
     near = _near_max(ranges, prec)
     top = findings[0] if findings else None
     if not signals:   # a slow divergence no precursor explains: the break-away itself, with the LR
-        ev = [Breakaway.describe(breakaway)] + ([breakaway["signal"]] if breakaway.get("signal") else [])
-        note = trend.lr_note(breakaway["since"]) if trend is not None else None
-        if note:
-            ev.append(note)
+        ev = [Breakaway.describe(breakaway), breakaway.get("signal"),
+              trend.lr_note(breakaway["since"]) if trend is not None else None]
+        ev = [x for x in ev if x]
         f = Finding(cause=Cause.LR_SPIKE, confidence=0.6, phase=Phase.UPDATE, module=None, op=None,
                     evidence=tuple(ev), mechanism=None, onset=breakaway["since"])
         return [f] + [x for x in findings if x.cause is not Cause.LR_SPIKE], breakaway["since"]
@@ -87,10 +83,8 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
         return [f] + findings[1:], onset
     if sig.mechanism is Mechanism.LR_SCHEDULE and (top is None or top.cause in (Cause.UNKNOWN, Cause.LR_SPIKE)):
         # the step size the schedule applied: the LR story leads, whatever the op finding could not tell apart
-        ev = list(sig.evidence) + ([Breakaway.describe(breakaway)] if breakaway is not None else [])
-        note = trend.lr_note(sig.onset)
-        if note:
-            ev.append(note)
+        ev = list(sig.evidence) + [x for x in (Breakaway.describe(breakaway) if breakaway is not None else None,
+                                               trend.lr_note(sig.onset)) if x]
         if top is not None and top.cause is Cause.LR_SPIKE:   # its module: the weights that moved most
             f = dataclasses.replace(top, evidence=tuple(ev) + top.evidence, mechanism=sig.mechanism, onset=sig.onset)
         else:
@@ -109,9 +103,7 @@ def mechanism_findings(findings: list[Finding], *, trend: Trend | None, status: 
                   f"{breakaway['best_step']}, {breakaway['level']:.4g} at step {breakaway['step']})")
     elif status is not Status.FINITE:
         ev.append(f"the run failed at step {step}, {step - sig.onset} steps after the onset")
-    note = trend.lr_note(sig.onset)
-    if note:
-        ev.append(note)
+    ev += [note] if (note := trend.lr_note(sig.onset)) else []
     if near:
         ev.append("within 2x of the dtype max at the failing step: " + ", ".join(near[:6]))
     others = [s for s in signals if (s.mechanism, s.module) != (sig.mechanism, sig.module)]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ..locate.instrument import Event
 from ..base.report import Cause, Finding
+from ..reach.step import batch_size
 from .core import Evidence, dtype_max, finding, g, node_base, op_base, origin_line
 
 Semantic = Callable[[Evidence, Event], "list[Finding] | None"]
@@ -118,42 +119,29 @@ def nll_no_target(ev: Evidence, e: Event) -> list[Finding] | None:
         "or every present class has weight 0: 0/0 = NaN"])]
 
 
-def _per_output(e: Event) -> int | None:
-    """How many input values each output of a reduction summarised (input numel / output numel)."""
-    if not e.inputs or not e.out_numel:
-        return None
-    return e.inputs[0].numel // e.out_numel
-
-
 @register_semantics("std", "var", "std_mean", "var_mean")
 def unbiased_over_one(ev: Evidence, e: Event) -> list[Finding] | None:
     """std/var over N <= 1 values: the unbiased estimator divides by N - 1 = 0 (or N = 0): 0/0 = NaN."""
-    if e.kind != "nan" or _has_inf_input(e):
-        return None
-    n = _per_output(e)
-    if n is None or n > 1:
+    # how many input values each output summarised (input numel / output numel)
+    n = e.inputs[0].numel // e.out_numel if e.inputs and e.out_numel else None
+    if e.kind != "nan" or _has_inf_input(e) or n is None or n > 1:
         return None
     name = (node_base(e.node) if e.node else op_base(e.op)).lower()
     shape = e.inputs[0].shape
     lines = [origin_line(e),
              f"{name} over {n} value(s) per output (input shape {list(shape)}): the unbiased estimator divides the "
              f"sum of squared deviations by N - 1 = {n - 1}, so it computes 0/0 = NaN"]
-    out = [finding(Cause.DIV, 0.93, e, lines)]
-    size = _batch_size(ev)
-    if size is not None and size <= 1 and shape and shape[0] == size:
-        out[0] = finding(Cause.DIV, 0.93, e, lines + [
-            f"the batch of step {ev.reached.step} holds {size} sample(s) and {name} reduces over the sample "
-            "axis: a last, short batch (a loader without drop_last) or a per-class/per-group split of one"])
-        out.append(finding(Cause.DATA, 0.7, e, [
-            f"step {ev.reached.step}: the batch holds {size} sample(s); {name} over the batch axis needs at least 2",
-            "drop the short last batch (DataLoader(..., drop_last=True)) or use correction=0 (unbiased=False)"]))
-    return out
-
-
-def _batch_size(ev: Evidence) -> int | None:
-    from ..reach.step import batch_size
     items = ev.reached.recorded.items
-    return batch_size(items[0]) if items else None
+    size = batch_size(items[0]) if items else None
+    if size is None or size > 1 or not shape or shape[0] != size:
+        return [finding(Cause.DIV, 0.93, e, lines)]
+    step = ev.reached.step
+    return [finding(Cause.DIV, 0.93, e, lines + [
+                f"the batch of step {step} holds {size} sample(s) and {name} reduces over the sample axis: a last, "
+                "short batch (a loader without drop_last) or a per-class/per-group split of one"]),
+            finding(Cause.DATA, 0.7, e, [
+                f"step {step}: the batch holds {size} sample(s); {name} over the batch axis needs at least 2",
+                "drop the short last batch (DataLoader(..., drop_last=True)) or use correction=0 (unbiased=False)"])]
 
 
 @register_semantics("native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm",

@@ -12,7 +12,7 @@ import statistics
 from ..base.precision import limits
 from ..base.report import Cause, Finding, Phase, Status, StepRecord
 from .core import (Evidence, dtype_max, family_of, finding, g, is_low, node_base, nonfinite_state, op_base,
-                   origin_line, owning_group, rule, zeros)
+                   origin_line, owning_group, rule, unknown_origin, zeros)
 from .ops import semantics_for
 
 
@@ -31,9 +31,8 @@ def data_rule(ev: Evidence) -> list[Finding]:
         lines.append("it surfaces as " + origin_line(ev.origin))
     elif ev.reached.error is not None:
         lines.append(f"the step raised before any NaN existed: {ev.reached.error.message}")
-    if ev.origin is not None:   # one story: the batch is why, the origin is where (its phase, module, op)
-        return [finding(Cause.DATA, conf, ev.origin, lines)]
-    return [finding(Cause.DATA, conf, None, lines, phase=Phase.INPUT)]
+    # one story: the batch is why, the origin (where there is one) is where (its phase, module, op)
+    return [finding(Cause.DATA, conf, ev.origin, lines, phase=None if ev.origin is not None else Phase.INPUT)]
 
 
 # -- divergence: is the step size to blame? ----------------------------------------------------------
@@ -62,7 +61,7 @@ def _lr_lines(ev: Evidence, hist: list[StepRecord]) -> tuple[list[str], float]:
     strength = 0.0
     lrs = [h.lr for h in hist if h.lr is not None]
     cur = ev.reached.record.lr if ev.reached.record else None
-    seen = lrs + ([cur] if cur is not None else [])
+    seen = lrs_seen(ev.reached)
     if seen:
         base = statistics.median(lrs[: max(1, len(lrs) // 2)]) if lrs else seen[0]
         peak = max(seen[-4:])
@@ -146,9 +145,9 @@ def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
     source = ev.reached.update_ratios or ev.main.update_ratios
     pname = largest_update(ev) if source and strength else None
     if grew and not (source and up_strength > grow_strength):
-        module = grew.rsplit(".", 1)[0] if "." in grew else ""
+        module = grew.rpartition(".")[0]
     elif pname is not None:
-        module = pname.rsplit(".", 1)[0] if "." in pname else ""
+        module = pname.rpartition(".")[0]
         owner = owning_group(ev, pname)
         if owner is not None and owner.differs:
             # the step's recorded LR is the first group's: quote the group that owns the parameter instead
@@ -244,13 +243,12 @@ def corrupted_state_rule(ev: Evidence) -> list[Finding]:
     bad = nonfinite_state(ev)
     if not bad:
         return []
-    module = bad[0].rsplit(".", 1)[0] if "." in bad[0] else ""
     return [finding(Cause.LR_SPIKE, 0.5, None, [
         f"{len(bad)} tensor(s) of the model are already non-finite before step {ev.reached.step} "
         f"(first: {bad[0]}); nothing in this step produced them",
         f"an earlier update (or the checkpoint {ev.reached.reached_by!r} started from) wrote them: "
         "diagnose an earlier step with --at, or check the checkpoint",
-    ], phase=Phase.UPDATE, module=module)]
+    ], phase=Phase.UPDATE, module=bad[0].rpartition(".")[0])]
 
 
 # -- the origin op ------------------------------------------------------------------------------------
@@ -274,10 +272,9 @@ def origin_rule(ev: Evidence) -> list[Finding]:
     if e is None:
         return []
     semantic = semantics_for(e)
-    if semantic is not None:
-        found = semantic(ev, e)
-        if found:
-            return found
+    found = semantic(ev, e) if semantic is not None else None
+    if found:
+        return found
     fam = family_of(e)
     base = op_base(e.op)
     nbase = node_base(e.node)
@@ -329,17 +326,14 @@ def origin_rule(ev: Evidence) -> list[Finding]:
 
     if e.phase is Phase.UPDATE:
         info = e.update_info or {}
-        extra = []
-        key = None
-        if info:
-            extra.append(f"parameter {info.get('parameter')} ({info.get('optimizer', 'optimizer')}, lr "
-                         f"{g(info.get('lr'))}, eps {g(info.get('eps'))})")
-            # what the update divides by (Adam's exp_avg_sq, RMSprop's/Adadelta's square_avg, Adagrad's sum,
-            # Adamax's exp_inf)
-            key = next((k for k in ("exp_avg_sq", "square_avg", "sum", "exp_inf") if f"{k}_zeros" in info), None)
-            if key is not None:
-                extra.append(f"{key}: {info[f'{key}_zeros']} of {info[f'{key}_numel']} entries are 0 "
-                             f"(min {g(info[f'{key}_min'])})")
+        extra = [f"parameter {info.get('parameter')} ({info.get('optimizer', 'optimizer')}, lr "
+                 f"{g(info.get('lr'))}, eps {g(info.get('eps'))})"] if info else []
+        # what the update divides by (Adam's exp_avg_sq, RMSprop's/Adadelta's square_avg, Adagrad's sum,
+        # Adamax's exp_inf)
+        key = next((k for k in ("exp_avg_sq", "square_avg", "sum", "exp_inf") if f"{k}_zeros" in info), None)
+        if key is not None:
+            extra.append(f"{key}: {info[f'{key}_zeros']} of {info[f'{key}_numel']} entries are 0 "
+                         f"(min {g(info[f'{key}_min'])})")
         if fam == "div" or (info.get("eps") == 0):
             return [finding(Cause.DIV, 0.93, e, lines + extra + [
                 "the update divides by sqrt(second moment) + eps, and both are 0 for parameters whose gradient "
@@ -402,7 +396,6 @@ def origin_rule(ev: Evidence) -> list[Finding]:
         return [_overflow(ev, e, fam, lines, low, ref_ok, probe)]
     if not low and e.kind != "nan" and big > 1e30:
         return [_overflow(ev, e, fam, lines, low, ref_ok, probe)]
-    from .core import unknown_origin
     return [unknown_origin(e, lines[1:])]
 
 

@@ -395,8 +395,7 @@ class OriginTracker:
         was, self.active = self.active, False  # our own reductions are not the user's ops
         try:
             with torch.no_grad(), torch._C.DisableTorchFunction():
-                x = t.detach()
-                a = x.abs().float()
+                a = t.detach().abs().float()
                 finite = torch.isfinite(a)
                 inf = torch.full((), math.inf, device=a.device)
                 zero = (a == 0)
