@@ -122,9 +122,8 @@ def g(x: float | None) -> str:
 
 
 def where(e: Event) -> str:
-    mod = e.module if e.module not in (None, "") else "(model)"
     what = f"{e.node} ({e.op})" if e.node else e.op
-    return f"{what} in {mod}"
+    return f"{what} in {e.module or '(model)'}"
 
 
 def finding(cause: Cause, conf: float, e: Event | None, evidence: list[str], *, phase: Phase | None = None,

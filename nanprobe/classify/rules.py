@@ -56,7 +56,6 @@ def multiplier_above_one(reached, lr: float | None) -> bool:
 
 
 def _lr_lines(ev: Evidence, hist: list[StepRecord]) -> tuple[list[str], float]:
-    cfg = ev.cfg
     lines: list[str] = []
     strength = 0.0
     lrs = [h.lr for h in hist if h.lr is not None]
@@ -65,16 +64,16 @@ def _lr_lines(ev: Evidence, hist: list[StepRecord]) -> tuple[list[str], float]:
     if seen:
         base = statistics.median(lrs[: max(1, len(lrs) // 2)]) if lrs else seen[0]
         peak = max(seen[-4:])
-        if base > 0 and peak > cfg.lr_jump_factor * base:
+        if base > 0 and peak > ev.cfg.lr_jump_factor * base:
             lines.append(f"learning rate rose from {g(base)} to {g(peak)} ({peak / base:.0f}x) in the steps before "
                          f"step {ev.reached.step}")
             strength = 0.6
         elif constant(seen):
             lines.append(f"learning rate {g(seen[-1])}, constant over the {len(seen)} step(s) seen")
-    sched = ev.reached.scheduler_base_lrs
     if multiplier_above_one(ev.reached, cur):
-        lines.append(f"{ev.reached.scheduler_kind} drives the LR to {g(cur)}, {cur / max(sched):.3g}x its base "
-                     f"LR {g(max(sched))}: the multiplier should stay <= 1")
+        top = max(ev.reached.scheduler_base_lrs)
+        lines.append(f"{ev.reached.scheduler_kind} drives the LR to {g(cur)}, {cur / top:.3g}x its base "
+                     f"LR {g(top)}: the multiplier should stay <= 1")
         strength = max(strength, 0.5) + (0.2 if strength else 0)
     return lines, strength
 
@@ -112,14 +111,11 @@ def _growth_lines(ev: Evidence) -> tuple[list[str], str | None, float]:
     """The weights themselves: a parameter whose norm grew by ``weight_growth_high`` or more in the update
     before the step (an identity init going x3.8) took a step that was too big."""
     growth = ev.reached.growth
-    if not growth:
+    name = max(growth, key=lambda k: growth[k]) if growth else None
+    if name is None or not growth[name] > ev.cfg.weight_growth_high:
         return [], None, 0.0
-    name = max(growth, key=lambda k: growth[k])
-    x = growth[name]
-    if x > ev.cfg.weight_growth_high:
-        return [f"the update of step {ev.reached.step - 1} grew {name} |w| x{x:.3g} in one step (a healthy update "
-                "changes |w| by about 0.1%): a step that was too big"], name, 0.6
-    return [], None, 0.0
+    return [f"the update of step {ev.reached.step - 1} grew {name} |w| x{growth[name]:.3g} in one step (a healthy "
+            "update changes |w| by about 0.1%): a step that was too big"], name, 0.6
 
 
 def step_size_evidence(ev: Evidence) -> tuple[list[str], str | None, float]:
@@ -163,9 +159,7 @@ def largest_update(ev: Evidence) -> str | None:
     """The parameter with the largest relative update |dw|/|w| near the step (None: none measured, or none
     moved: a rerun with no optimizer to apply, as a hand-written update's, moves nothing)."""
     source = {k: v for k, v in (ev.reached.update_ratios or ev.main.update_ratios or {}).items() if v != 0}
-    if not source:
-        return None
-    return max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"))
+    return max(source, key=lambda k: source[k] if math.isfinite(source[k]) else float("inf"), default=None)
 
 
 @rule

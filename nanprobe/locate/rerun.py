@@ -84,10 +84,8 @@ def _weights_dtype(loop: Loop, precision: Precision) -> torch.dtype | None:
     bf16/fp16, any other precision (the weights' dtype is what the run computes in, autocast or not)."""
     if precision is Precision.FP64:
         return torch.float64
-    target = loop.target
-    if target.weights is not None and precision is not target.weights:
-        return precision.dtype
-    return None
+    weights = loop.target.weights
+    return precision.dtype if weights is not None and precision is not weights else None
 
 
 def _scaler_for(loop: Loop, precision: Precision, grad_scaler: bool | None,
@@ -222,10 +220,8 @@ class _CastFeed:
 
     def get(self, j: int):
         item = self.inner.get(j)
-        if item is None:
-            return None
-        return map_tensors(item, lambda t: t.to(self.dtype) if t.is_floating_point()
-                           and (self.only is None or t.dtype == self.only) else t)
+        return None if item is None else map_tensors(item, lambda t: t.to(self.dtype) if t.is_floating_point()
+                                                     and (self.only is None or t.dtype == self.only) else t)
 
 
 def resolve_backward_source(target, reached: Reached, trace: StepTrace, *, where: str) -> StepTrace | None:
