@@ -12,6 +12,7 @@ hooks are removed on exit, errors included.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -468,14 +469,12 @@ class OriginTracker:
         if self.trace.failed is not None:
             return
         self.active = False
-        try:
-            with torch._C.DisableTorchFunction():
+        try:   # best effort: the user's own exception is what propagates
+            with torch._C.DisableTorchFunction(), contextlib.suppress(Exception):
                 file, line, code = user_source_frame() if self.phase is Phase.FORWARD else (None, None, None)
                 self.trace.failed = Failed(phase=self.phase, module=self._module_for_op(), op=str(func),
                                            source=f"{file}:{line}" if file else None, code=code,
                                            inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
-        except Exception:  # noqa: BLE001 - best effort: the user's own exception is what propagates
-            pass
         finally:
             self.active = True
 
