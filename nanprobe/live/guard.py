@@ -13,7 +13,7 @@ import inspect
 import logging
 import os
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from ..base.errors import EXIT_FOUND, NanprobeError, UsageError
 from ..base.precision import Precision, parse_precision, weights_precision
 from ..base.report import Status
 from ..base.sharding import clip_norm, fsdp1_root, total_norm
+from ..reach.hooks import unscale_ready
 from ..reach.state import capture_rng
 from ..reach.target import named
 from .core import Adapter, StepCore, Verdict, check_guard_config, resolve_config
@@ -33,6 +34,21 @@ from .core import Adapter, StepCore, Verdict, check_guard_config, resolve_config
 logger = logging.getLogger("nanprobe.guard")
 
 POLICIES = ("skip", "raise", "record")
+
+
+class _StepContext:
+    """``guard.step(...)``'s context: a slotted object, not a generator (it is entered on every step)."""
+
+    __slots__ = ("_guard", "_batch", "_step")
+
+    def __init__(self, guard: Guard, batch: Any, step: int | None):
+        self._guard, self._batch, self._step = guard, batch, step
+
+    def __enter__(self) -> int:
+        return self._guard._begin(self._batch, self._step)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,17 +193,16 @@ class Guard(Adapter):
             if step is not None:
                 raise TypeError("Guard.step() got the step number twice")
             step = args[0]
-        return self._begin(args[-1] if args else None, step)
+        return _StepContext(self, args[-1] if args else None, step)
 
-    @contextlib.contextmanager
-    def _begin(self, batch: Any, step: int | None) -> Iterator[int]:
+    def _begin(self, batch: Any, step: int | None) -> int:
         if step is not None:
             self._current = int(step)
         elif self._current is None:
             self._current = self._next
         if self.enabled:
             self.core.begin(self._current, batch)
-        yield self._current
+        return self._current
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(scaler.scale(loss) if scaler else loss).backward(**kwargs)``, and notes the loss (no sync)."""
@@ -284,11 +299,7 @@ class Guard(Adapter):
         checked = self.enabled and step % self.cfg.check_every == 0
         if scaler is not None and (max_grad_norm or checked):
             for opt in self.optimizers:
-                try:
-                    scaler.unscale_(opt)
-                except RuntimeError as exc:   # the loop unscaled them itself
-                    if "already been called" not in str(exc):
-                        raise
+                unscale_ready(scaler, opt)   # unless the loop unscaled them itself
         params = self._params() if (max_grad_norm or checked) else []
         norm: torch.Tensor | float | None = None
         every_rank = fsdp1_root(self.model) is not None   # FSDP1: a rank may hold no gradient, yet reduces
@@ -368,6 +379,8 @@ class Guard(Adapter):
     def _write_capsule(self, v: Verdict, scaler: torch.amp.GradScaler | None,
                        max_grad_norm: float | None) -> tuple[Path | None, str | None]:
         core = self.core
+        if _capsule.no_room(self.capsules, self.cfg.max_capsules):   # before copying any RNG state
+            return None, None
         micro_rng = [dict(r) for r in core.rng_after] or [capture_rng(core.device_type)]
         if "python" not in micro_rng[0]:   # not copied at step start: the step does not draw from them (rng_states)
             host = capture_rng("cpu", host=True)

@@ -9,9 +9,11 @@ them into the events below; each subclass says what an event means to it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 
 class Patch:
@@ -28,6 +30,12 @@ class Patch:
         setattr(self.obj, self.name, self.original)
 
 
+def unscale_ready(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """What ``GradScaler.step`` does first, done before it: the check sees unscaled gradients."""
+    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+
+
 class ScriptHooks:
     """A script's steps, seen through hooks. ``optimizers=None``: the global optimizer hooks, and the
     guarded optimizer is the first that steps (watch); else hooks on each of ``optimizers``, all guarded
@@ -36,7 +44,7 @@ class ScriptHooks:
     def __init__(self, optimizers: list[torch.optim.Optimizer] | None = None) -> None:
         self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
         self._only = optimizers
-        self.scaled: set[int] = set()        # ids of this step's GradScaler.scale outputs (not losses)
+        self._scaled = False                 # GradScaler.scale ran since the last backward: it backpropagates that
         self._in_scaler_step = False         # inside GradScaler.step: the optimizer step is its
         self.scaler_seen: torch.amp.GradScaler | None = None   # the GradScaler the script scales its loss with
         self._patches: list[Patch] = []
@@ -61,8 +69,8 @@ class ScriptHooks:
     def after_backward(self) -> None:
         """The script's backward returned (its gradients are there)."""
 
-    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
-        """The script clipped its gradients: their norm before clipping."""
+    def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
+        """The script clipped its gradients: their norm before clipping (``max_norm`` as the script passed it)."""
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler.step of the guarded optimizer is about to run."""
@@ -128,11 +136,15 @@ class ScriptHooks:
     # -- the script's calls -----------------------------------------------------------------------------
 
     def _wrap_backward(self, original):
+        @functools.wraps(original)
         def backward(tensors, *args, **kwargs):
             if self.listening():
-                for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-                    if isinstance(t, torch.Tensor) and t.numel() == 1 and id(t) not in self.scaled:
+                # after GradScaler.scale, what is backpropagated is the scaled loss (maybe divided further, as in
+                # (scaler.scale(loss) / k).backward()): the loss was taken at scale
+                for t in () if self._scaled else (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+                    if isinstance(t, torch.Tensor) and t.numel() == 1:
                         self.on_loss(t)
+                self._scaled = False
                 self.on_backward()
             out = original(tensors, *args, **kwargs)
             if self.active():
@@ -141,24 +153,27 @@ class ScriptHooks:
         return backward
 
     def _wrap_scale(self, original):
+        @functools.wraps(original)
         def scale(scaler, outputs):
             out = original(scaler, outputs)
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and self.listening():
                 self.scaler_seen = scaler
-                self.scaled.add(id(out))
+                self._scaled = True
                 self.on_loss(outputs)
             return out
         return scale
 
     def _wrap_clip(self, original):
+        @functools.wraps(original)
         def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
             norm = original(parameters, max_norm, *args, **kwargs)
             if self.listening() and isinstance(norm, torch.Tensor):
-                self.on_clip(norm.detach(), float(max_norm))
+                self.on_clip(norm.detach(), max_norm)
             return norm
         return clip_grad_norm_
 
     def _wrap_scaler_step(self, original):
+        @functools.wraps(original)
         def step(scaler, optimizer, *args, **kwargs):
             if not (self.active() and scaler.is_enabled() and "closure" not in kwargs and self.guards(optimizer)):
                 return original(scaler, optimizer, *args, **kwargs)
@@ -206,4 +221,4 @@ class ScriptHooks:
             self.step_done(opt)
 
 
-__all__ = ["ScriptHooks", "Patch"]
+__all__ = ["ScriptHooks", "Patch", "unscale_ready"]

@@ -316,7 +316,7 @@ class _StepWatch(ScriptHooks):
                     self.set_phase(before)
         return grad
 
-    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+    def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
         self.pending_clip.append(norm)
 
     def _wrap_enter(self, original):

@@ -19,8 +19,8 @@ from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, 
 from ..base.report import Phase
 from ..base.sharding import weights_finite
 from ..reach.step import Loop
-from ..reach.hooks import ScriptHooks
-from .hooks import forward_target, unscale_ready
+from ..reach.hooks import ScriptHooks, unscale_ready
+from .hooks import forward_target
 from ..reach.forward import autocast_dtype, batch_of, device_of_module, params_module
 
 
@@ -253,7 +253,7 @@ class StepHooks(ScriptHooks):
         if self.tracker.phase is Phase.FORWARD:
             self.tracker.set_phase(Phase.BACKWARD)
 
-    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+    def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
         self.clip = norm
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:

@@ -1,12 +1,11 @@
 """What ``watch`` and ``watch --at`` share beside their hooks (:class:`nanprobe.reach.hooks.ScriptHooks`): the
-root module's forward as a Target, and GradScaler's unscale done before its step."""
+root module's forward as a Target."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from ..base.precision import Precision
 from ..reach.forward import ForwardStep
@@ -26,10 +25,4 @@ def forward_target(model: torch.nn.Module, opt: torch.optim.Optimizer | None, au
                      **more}, who), precision
 
 
-def unscale_ready(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-    """What ``GradScaler.step`` does first, done before it: the check sees unscaled gradients."""
-    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-        scaler.unscale_(optimizer)
-
-
-__all__ = ["unscale_ready", "forward_target"]
+__all__ = ["forward_target"]

@@ -22,10 +22,10 @@ from ..live.hooked import Pending
 from ..base.report import Cause, Phase, Report, Status
 from ..base.sharding import local_value
 from ..reach.state import capture_rng
-from ..reach.hooks import Patch, ScriptHooks
+from ..reach.hooks import Patch, ScriptHooks, unscale_ready
 from ..reach.target import Target
 from ..judge.updates import update_finding, update_forensics
-from .hooks import forward_target, unscale_ready
+from .hooks import forward_target
 from .record import at_command, record_json, write_run_record
 from ..reach.forward import (autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
                       ops_between, output_tensors, params_module)
@@ -282,7 +282,7 @@ class Watcher(ScriptHooks):
         elif self.root is None:
             self._early_losses.append(t.detach())
 
-    def on_clip(self, norm: torch.Tensor, max_norm: float) -> None:
+    def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
         s = self.scaler_seen
         if s is not None and s.is_enabled() and not any(
                 getattr(st.get("stage"), "name", "") == "UNSCALED" for st in s._per_optimizer_states.values()):
@@ -292,7 +292,7 @@ class Watcher(ScriptHooks):
                 "by the loss scale; call scaler.unscale_(optimizer) before clipping. watch judged the unscaled "
                 "gradient norm instead")
             return   # that norm is not the gradients': the check computes its own
-        self._clip = (norm, max_norm)
+        self._clip = (norm, float(max_norm))
 
     def unseen(self) -> list[tuple[str, str]]:
         """What part of the steps watch could not see, and how to cover it: (short, full) lines."""
@@ -388,8 +388,6 @@ class Watcher(ScriptHooks):
             self._checked = self._in_closure = True
 
     def _check(self, opt: torch.optim.Optimizer) -> None:
-        if self.optimizer is None:
-            self.optimizer = opt
         if self.guard is None:
             self._pick_root(opt)
         if self.guard.pending is not None:   # a bad step whose end was never seen: diagnose it now
@@ -415,7 +413,6 @@ class Watcher(ScriptHooks):
     def step_done(self, optimizer: torch.optim.Optimizer) -> None:
         self._clip = None   # a clip inside the optimizer's own step (BertAdam's) came after the check: not the next's
         self._checked = self._in_closure = False
-        self.scaled.clear()
         self._output_nodes, self._loss_nodes = [], []
         self.steps += 1
         if self.guard is not None:

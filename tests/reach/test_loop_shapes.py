@@ -26,7 +26,7 @@ from nanprobe.live.guard import Guard
 from nanprobe.base.precision import Precision
 from nanprobe.reach.replay import reach
 from nanprobe.pipeline.smoke import smoke
-from nanprobe.reach.target import named
+from nanprobe.reach.target import named, validate
 
 LOOPS = asset("loops.py")
 CFG = load_config()
@@ -336,3 +336,29 @@ def test_precision_rerun_of_a_step_fn_rewrites_its_autocast():
     assert fp32.record.loss != bf16.record.loss and fp32.applied
     ctx = loaded.target.step_fn.ctx
     assert ctx.fast_dtype == torch.bfloat16 and ctx._enabled
+
+
+def test_a_scaled_loss_divided_after_scaling_is_counted_once():
+    """``(scaler.scale(loss) / k).backward()`` backpropagates the scaled loss: the loss is what was handed to
+    GradScaler.scale, not also loss * scale / k (the replay of a step_fn that returns nothing, and watch, read
+    the loss through the same hooks: reach/hooks.py)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    seen = []
+
+    def step_fn(model, batch, step):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        seen.append(loss.item())
+        (scaler.scale(loss) / 2).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    t = validate({"model": model, "step_fn": step_fn, "batches": batches, "optimizer": opt, "grad_scaler": scaler,
+                  "precision": "fp16"}, "t")
+    reached = reach(t, at=2, precision=t.precision, cfg=load_config().replay, where="t")
+    assert [h.loss for h in reached.history] == pytest.approx(seen[:2], rel=1e-6)
