@@ -225,7 +225,7 @@ def truncation(path: str | os.PathLike) -> tuple[int, int | None] | None:
         fh.seek(max(0, size - 65557))   # the end record: 22 bytes and a comment of at most 65535
         tail = fh.read()
         i = tail.rfind(_END)
-        if i >= 0 and len(tail) - i == 22 + int.from_bytes(tail[i + 20:i + 22], "little"):
+        if i >= 0 and len(tail) - i >= 22 + int.from_bytes(tail[i + 20:i + 22], "little"):   # bytes may follow
             return None
         needed = None
         if len(head) == 30:

@@ -226,3 +226,19 @@ def test_compiled_and_ddp_wrappers_are_unwrapped_for_names_and_state():
     compiled = torch.compile(net)   # compiles lazily: nothing runs here
     assert unwrap(compiled) is net
     assert fingerprint(compiled) == [["0.weight", [3, 2]], ["0.bias", [3]]]   # no "_orig_mod." prefix
+
+
+def test_a_complete_torch_save_file_with_bytes_after_its_end_is_not_called_truncated(tmp_path):
+    """Truncation is a missing end record; a whole file that has bytes after it (appended by a copy tool) keeps
+    its end record and is judged by what it holds, not as cut off."""
+    from nanprobe.capsule.io import truncation
+
+    path = tmp_path / "whole.pt"
+    torch.save({"x": torch.ones(3)}, path)
+    assert truncation(path) is None
+    with open(path, "ab") as fh:
+        fh.write(b"\0" * 17)
+    assert truncation(path) is None
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert truncation(path) is not None
