@@ -513,7 +513,10 @@ class OriginTracker:
         if len(trace.events) >= MAX_EVENTS:
             return
         if self.deferred:
-            self._pending.append((trace.ops_checked, sum(_sum(t).double().to(outs[0].device) for t in outs)))
+            total = _sum(outs[0]).double()   # one kernel per output, no add of a 0 start
+            for t in outs[1:]:
+                total = total + _sum(t).double().to(total.device)
+            self._pending.append((trace.ops_checked, total))
             return
         if self.only is not None:
             if trace.ops_checked not in self.only:
