@@ -18,7 +18,7 @@ import dataclasses
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,24 +107,20 @@ INPUTS_BYTES = 64 << 20   # the recent batches kept for comparing a bad step's b
 
 # -- the per-step check -----------------------------------------------------------------------------
 
-def _delta_norms(named: list[tuple[str, torch.Tensor]], before: Mapping[str, torch.Tensor]
+def _delta_norms(named: list[tuple[str, torch.Tensor]], before: SavedModel
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per parameter: |w - w_before| and |w_before|, computed through one scratch buffer per dtype
-    (no parameter-sized temporary: a saved snapshot is streamed one tensor at a time)."""
+    (no parameter-sized temporary: the saved parameters are streamed one tensor at a time)."""
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for _, p in named:
         key = (p.dtype, p.device)
         sizes[key] = max(sizes.get(key, 0), p.numel())
     scratch = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-    slots = before.slot if isinstance(before, SavedModel) else None
     deltas, olds = [], []
     with torch.no_grad():
         for name, p in named:
             buf = scratch[(p.dtype, p.device)][:p.numel()].view(p.shape)
-            if slots is not None:
-                slots(name).copy_into(buf)
-            else:
-                buf.copy_(before[name])
+            before.slot(name).copy_into(buf)
             wide = None if buf.dtype == torch.float64 else torch.float32   # an fp64 rerun keeps its precision
             olds.append(torch.linalg.vector_norm(buf, dtype=wide))
             buf.sub_(p)
@@ -132,13 +128,12 @@ def _delta_norms(named: list[tuple[str, torch.Tensor]], before: Mapping[str, tor
     return deltas, olds
 
 
-def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: Mapping[str, torch.Tensor] | None = None,
+def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel | None = None,
             position: Position | None = None, norms: dict[str, float] | None = None
             ) -> tuple[StepRecord, dict[str, float], bool]:
     """The cheap check of one finished step, read back with one device sync.
 
-    ``before`` (the parameters the step started from, by name: a dict or a snapshot's saved model)
-    adds the update ratios |dw|/|w|; ``norms`` is filled with each parameter's norm after the step.
+    ``before`` (the parameters the step started from: a snapshot's saved model) adds the update ratios |dw|/|w|; ``norms`` is filled with each parameter's norm after the step.
     """
     model = loop.target.model
     device = outcome.loss.device if outcome.loss is not None else device_of(model)
@@ -264,12 +259,11 @@ class Replayer:
     def params(self) -> SavedModel:
         """The parameters now, saved for the update ratio of one step: in the snapshots' store (a file
         for large CPU states), reused from step to step."""
-        named = [(n, p) for n, p in self.target.model.named_parameters()]
+        named = self.loop.named_params
         if self._ratio_store is None:
             nbytes = sum(p.numel() * p.element_size() for _, p in named)
-            pol = self.loop.objects.storage
-            self._ratio_store = pol.new_store(self.device_type, nbytes)
-        self._ratio_slots = self._ratio_store.put_all([p for _, p in named], reuse=self._ratio_slots)
+            self._ratio_store = self.loop.objects.storage.new_store(self.device_type, nbytes)
+        self._ratio_slots = self._ratio_store.put_all(self.loop.params, reuse=self._ratio_slots)
         return SavedModel([(n, p, slot) for (n, p), slot in zip(named, self._ratio_slots)])
 
     def run(self, feed, *, before: dict[str, torch.Tensor] | None = None
@@ -305,8 +299,12 @@ class Replayer:
         while len(self.inputs) > 1 and sum(n for _, n in self.inputs) > INPUTS_BYTES:
             self.inputs.popleft()
 
-    def recent_inputs(self, step: int) -> list[Recorded]:
-        return [rec for rec, _ in self.inputs if rec.step < step]
+    def seen(self, k: int, recorded: Recorded, status: Status, reason: str | None, record: StepRecord | None,
+             history, **more) -> _Watch:
+        """Step ``k`` as judged, with the inputs before it and the growth of the update before it."""
+        return _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason, history=list(history),
+                      growth=self.growth(1 if record is not None else 0),
+                      before=[rec for rec, _ in self.inputs if rec.step < k], **more)
 
     def growth(self, back: int = 1) -> dict[str, float]:
         """|w| after / |w| before per parameter, of the update ``back`` steps before the last one run."""
@@ -328,10 +326,6 @@ class Replayer:
                                   f"{self.loop.precision.value}: using {observed.value}")
                 self.loop.precision = observed
         self.loop.objects.attrs = module_tensor_attrs(self.target.model)
-
-    def replay(self, recorded: Recorded) -> StepOutcome:
-        """Run a recorded step again (no fetch): the state goes where the live run took it."""
-        return self.loop.run(recorded.feed())
 
 
 def storage_policy(cfg: ReplayConfig) -> StoragePolicy:
@@ -391,17 +385,32 @@ def _open(r: Replayer, k: int):
         return None
 
 
-def _reached(r: Replayer, k: int, recorded: Recorded, snap: Snapshot, status: Status, reason: str | None,
-             record: StepRecord | None, history, ratios, reached_by: str, notes: list[str],
-             error: UserCodeError | None = None, earlier: list[StepRecord] | None = None) -> Reached:
-    before = r.recent_inputs(k)
-    growth = r.growth(1 if record is not None else 0)
-    return Reached(step=k, recorded=recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
-                   status=status, reason=reason, record=record, history=list(history), update_ratios=ratios,
-                   reached_by=reached_by, notes=notes + r.notes, policy=r.policy, error=error,
-                   earlier=list(earlier or []), before=before, growth=growth,
-                   trend=r.monitor.trend if r.monitor is not None else None,
-                   breakaway=r.judge.breakaway, **scheduler_info(r.target))
+@dataclass(slots=True)
+class _Watch:
+    """A step judged bad (or a spike decided at once, replayed past to see whether it recovers): what
+    rebuilds the state before it."""
+
+    step: int
+    recorded: Recorded
+    record: StepRecord | None
+    status: Status
+    reason: str | None
+    history: list[StepRecord]
+    growth: dict[str, float]
+    before: list[Recorded]
+    rolling: Snapshot | None = None   # the snapshot the state is rebuilt from, replaying ``log``
+    log: list[Recorded] = field(default_factory=list)
+    left: int = 0                     # steps still to watch
+    error: UserCodeError | None = None
+
+
+def _reached(r: Replayer, w: _Watch, snap: Snapshot, ratios: dict[str, float], reached_by: str, notes: list[str],
+             **more) -> Reached:
+    return Reached(step=w.step, recorded=w.recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
+                   status=w.status, reason=w.reason, record=w.record, history=list(w.history), update_ratios=ratios,
+                   reached_by=reached_by, notes=notes + r.notes, policy=r.policy, error=w.error, before=w.before,
+                   growth=w.growth, trend=r.monitor.trend if r.monitor is not None else None,
+                   breakaway=r.judge.breakaway, **scheduler_info(r.target), **more)
 
 
 def _raised(exc: UserCodeError, k: int, position: Position | None) -> str:
@@ -431,10 +440,8 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
                 status, reason, error = Status.NONFINITE, _raised(exc, k, feed.position), exc
             snap.restore(r.loop.objects)
             recorded = Recorded.of(feed) if error is None else Recorded.of_partial(feed)
-            out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes,
-                           error=error, earlier=earlier)
-            out.step_ratios = step_ratios
-            return out
+            w = r.seen(k, recorded, status, reason, record, history, error=error)
+            return _reached(r, w, snap, ratios, reached_by, notes, earlier=earlier, step_ratios=step_ratios)
         light = r.light()
         before = r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
         try:
@@ -449,13 +456,13 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
             r.undo_light(light)
             snap = r.loop.objects.take(rng=light.rng)
             notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
-            return _reached(r, k, recorded, snap, Status.NONFINITE, _raised(exc, k, feed.position), None,
-                            history, ratios, reached_by, notes, error=exc, earlier=earlier)
+            w = r.seen(k, recorded, Status.NONFINITE, _raised(exc, k, feed.position), None, history, error=exc)
+            return _reached(r, w, snap, ratios, reached_by, notes, earlier=earlier)
         r.remember(Recorded(step=k, items=list(feed.items), position=feed.position))
         status, reason = r.judge.judge(record, params_finite)
         if status is not Status.FINITE:
             earlier.append(record)
-            if len([n for n in notes if "was already bad" in n]) < 3:
+            if len(earlier) <= 3:   # the first three are noted
                 notes.append(f"step {record.step} was already bad ({reason}); diagnosing --at {at} as asked "
                              f"(nanprobe run --at {k} diagnoses step {k})")
         if on_progress:
@@ -464,23 +471,6 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
         history.append(record)
         ratios = step_ratios
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-@dataclass(slots=True)
-class _Watch:
-    """A spike decided at once, replayed past to see whether it recovers: what rebuilds the state before it."""
-
-    step: int
-    recorded: Recorded
-    record: StepRecord
-    status: Status
-    reason: str | None
-    rolling: Snapshot
-    log: list[Recorded]
-    history: list[StepRecord]
-    growth: dict[str, float]
-    before: list[Recorded]
-    left: int                       # steps still to watch
 
 
 def _excursion_note(w: _Watch, back: StepRecord) -> str:
@@ -508,47 +498,33 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
     first: _Watch | None = None     # the first excursion that recovered (kept to diagnose if nothing fails)
     k = start
 
-    def last() -> Reached | None:
-        """The state before the last replayed step (rebuilt from the rolling snapshot)."""
-        if not keep_last or not log:
-            return None
-        snap, ratios = _rebuild(r, rolling, log[:-1], history)
-        rec = history[-1]
-        return _reached(r, rec.step, log[-1], snap, Status.FINITE, None, rec, list(history)[:-1], ratios,
-                        reached_by, notes)
-
-    def at_watch(w: _Watch, extra: list[str] = ()) -> Reached:
-        """The state before a watched spike (rebuilt from the snapshot it started from)."""
-        hist = deque(w.history, maxlen=history.maxlen)
-        snap, ratios = _rebuild(r, w.rolling, w.log, hist)
-        out = _reached(r, w.step, w.recorded, snap, w.status, w.reason, w.record, hist, ratios, reached_by,
-                       notes + list(extra))
-        out.growth, out.before = w.growth, w.before
+    def rebuilt(w: _Watch, extra: list[str] = ()) -> Reached:
+        """The state before ``w``'s step (rebuilt from its snapshot); a recovered excursion before it is its onset."""
+        snap, ratios = _rebuild(r, w.rolling, w.log, w.history)
+        out = _reached(r, w, snap, ratios, reached_by, notes + list(extra))
         if first is not None and first is not w:
             out.onset = first.step
         return out
 
     def here(recorded: Recorded, status: Status, reason: str | None, record: StepRecord | None,
              error: UserCodeError | None = None) -> Reached:
-        """The state before step k (rebuilt from the rolling snapshot); a recovered excursion is its onset."""
-        snap, ratios = _rebuild(r, rolling, log, history)
-        out = _reached(r, k, recorded, snap, status, reason, record, history, ratios, reached_by, notes,
-                       error=error)
-        if first is not None:
-            out.onset = first.step
-        return out
+        return rebuilt(r.seen(k, recorded, status, reason, record, history, rolling=rolling, log=log, error=error))
 
     while True:
         feed = _open(r, k) if k - start < limit else None
         if feed is None:   # the data ran out, or the --max-steps limit
             ended = k - start < limit
             if first is None:
-                raise NoBadStep(k - start, list(history), limit, data_ended=ended, last=last(),
+                last = None   # with keep_last: the state before the last replayed step
+                if keep_last and log:
+                    last = rebuilt(r.seen(history[-1].step, log[-1], Status.FINITE, None, history[-1],
+                                          list(history)[:-1], rolling=rolling, log=log[:-1]))
+                raise NoBadStep(k - start, list(history), limit, data_ended=ended, last=last,
                                 epochs=r.stream.epoch + 1 if ended and not r.stream.callable else None,
                                 trend=r.monitor.trend if r.monitor is not None else None, notes=r.judge.notes)
             ran = "the data ran out" if ended else f"the --max-steps limit {limit}"
-            return at_watch(first, [f"nothing failed after it in the {k - first.step - 1} steps to {ran}: "
-                                    f"diagnosing the excursion at step {first.step}"])
+            return rebuilt(first, [f"nothing failed after it in the {k - first.step - 1} steps to {ran}: "
+                                   f"diagnosing the excursion at step {first.step}"])
         if watch is None and (rolling is None or len(log) >= every):
             # the state at step k's start; its first micro-batch is already fetched, and replaying the
             # log puts the RNG where that fetch left it, so the snapshot may be taken after it (the
@@ -559,7 +535,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             _, record, _, params_finite = r.run(feed)
         except UserCodeError as exc:
             if watch is not None:   # a step that raises right after a spike: the spike did not recover
-                return at_watch(watch)
+                return rebuilt(watch)
             return here(Recorded.of_partial(feed), Status.NONFINITE, _raised(exc, k, feed.position), None, exc)
         recorded = Recorded.of(feed)
         status, reason = r.judge.judge(record, params_finite)
@@ -572,7 +548,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
                 notes.append(f"step {watch.step} did not recover ({watch.reason}); step {k} is non-finite")
                 return here(recorded, status, reason, record)
             if status is not Status.FINITE:
-                return at_watch(watch)   # it did not recover: the spike is the failure
+                return rebuilt(watch)   # it did not recover: the spike is the failure
             if r.judge.back_to_normal(record):
                 notes.append(_excursion_note(watch, record))
                 if first is None:
@@ -581,13 +557,12 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             else:
                 watch.left -= 1
                 if watch.left <= 0:
-                    return at_watch(watch)
+                    return rebuilt(watch)
         elif status is not Status.FINITE:
             if not (excursions and status is Status.SPIKE and r.judge.at_once()):
                 return here(recorded, status, reason, record)
-            watch = _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason,
-                           rolling=rolling, log=list(log), history=list(history), growth=r.growth(1),
-                           before=r.recent_inputs(k), left=max(r.cfg.persist_steps, 1))
+            watch = r.seen(k, recorded, status, reason, record, history, rolling=rolling, log=list(log),
+                           left=max(r.cfg.persist_steps, 1))
         log.append(recorded)
         r.judge.add(record, excursion=watch is not None and watch.step == k)
         history.append(record)
@@ -596,7 +571,7 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
 
 
 def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded],
-             history: deque[StepRecord]) -> tuple[Snapshot, dict[str, float]]:
+             history: list[StepRecord]) -> tuple[Snapshot, dict[str, float]]:
     """The state before the step after ``log``: the rolling snapshot, then the logged steps again.
 
     Returns the snapshot and the per-parameter update ratios of the step before; that step's global
@@ -606,7 +581,7 @@ def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded],
     ratios: dict[str, float] = {}
     for i, rec in enumerate(log):
         before = r.params() if i == len(log) - 1 else None
-        outcome = r.replay(rec)
+        outcome = r.loop.run(rec.feed())   # no fetch: the state goes where the live run took it
         if before is not None:
             last, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
             for j in range(len(history) - 1, -1, -1):

@@ -45,8 +45,8 @@ def make_scaler(target: Target, precision: Precision, device_type: str) -> torch
     return None
 
 
-def current_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
-    if optimizer is None or not optimizer.param_groups:
+def current_lr(optimizer: torch.optim.Optimizer) -> float | None:
+    if not optimizer.param_groups:
         return None
     lr = optimizer.param_groups[0].get("lr")
     if isinstance(lr, torch.Tensor):
@@ -60,6 +60,16 @@ def batch_size(batch: Any) -> int | None:
         if t.dim() >= 1:
             return int(t.shape[0])
     return None
+
+
+def _sum(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``ts[0] + ts[1] + ...`` (each on the first's device); None for none."""
+    return functools.reduce(lambda a, b: a + b.to(a.device), ts) if ts else None
+
+
+def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of several norms (of one: itself)."""
+    return norms[0] if len(norms) == 1 else torch.stack([n.float().to(norms[0].device) for n in norms]).norm()
 
 
 @dataclass(slots=True)
@@ -133,8 +143,6 @@ def _override_groups(opt: torch.optim.Optimizer, lr_scale: float | None,
                      param_overrides: Mapping[str, Any] | None) -> list[tuple[dict, dict]]:
     """Scale each group's LR / set group keys; returns what :func:`_restore_groups` puts back."""
     saved: list[tuple[dict, dict]] = []
-    if lr_scale is None and not param_overrides:
-        return saved
     keys = set(param_overrides or ()) | ({"lr"} if lr_scale is not None else set())
     for i, g in enumerate(opt.param_groups):
         saved.append((g, {k: g.get(k, _MISSING) for k in keys}))
@@ -181,19 +189,19 @@ def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         call_user("loss.backward()", (scaler.scale(loss) if scaler is not None else loss).backward)
         micro.append(loss.detach())
     phase(Phase.UPDATE)
-    found = scale = None
+    infs, scale = [], None
     if scaler is not None and opts:
         scale = scaler._scale.detach().clone() if scaler._scale is not None else None
         for _, opt in opts:
             call_user("scaler.unscale_(optimizer)", scaler.unscale_, opt)
-            for v in scaler._found_inf_per_device(opt).values():
-                found = v.float() if found is None else found + v.float().to(found.device)
+            infs += [v.float() for v in scaler._found_inf_per_device(opt).values()]
+    found = _sum(infs)
     with_grad = [p for p in loop.params if p.grad is not None]
     grad_norm = None
     if with_grad:
         grad_norm = (torch.nn.utils.clip_grad_norm_(with_grad, clip) if clip
                      else torch.nn.utils.get_total_norm([p.grad for p in with_grad])).detach()
-    out = StepOutcome(loss=sum(micro[1:], micro[0]) if micro else None,
+    out = StepOutcome(loss=_sum(micro),
                       losses={f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1 else {},
                       grad_norm=grad_norm, lr=current_lr(opts[0][1]) if opts else None, found_inf=found,
                       scale=scale)
@@ -225,10 +233,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool)
 
 
-def _as_losses(result: Any) -> dict[str, torch.Tensor | float] | None:
-    """step_fn's return value -> named losses; None when it returned nothing."""
+def _as_losses(result: Any, seen: list[torch.Tensor]) -> dict[str, torch.Tensor | float]:
+    """step_fn's return value -> named losses; when it returned nothing, what it scaled, else what it
+    backpropagated (``seen``)."""
     if result is None:
-        return None
+        return {"loss": seen[0]} if len(seen) == 1 else {f"loss[{i}]": v for i, v in enumerate(seen)}
     if _is_number(result):
         return {"loss": result}
     if isinstance(result, Mapping):
@@ -285,9 +294,43 @@ class _StepWatch(ScriptHooks):
     def extra_patches(self) -> list[Patch]:
         if self.o.on_phase is not None:
             self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre))
-        return [Patch(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad)),
-                Patch(_autocast_cls, "__enter__", self._wrap_enter(_autocast_cls.__enter__)),
-                Patch(_autocast_cls, "__exit__", self._wrap_exit(_autocast_cls.__exit__))]
+        grad, enter, exit_ = torch.autograd.grad, _autocast_cls.__enter__, _autocast_cls.__exit__
+        want = self.o.precision
+
+        @functools.wraps(grad)
+        def phased_grad(*args, **kwargs):
+            before = self.current
+            self.set_phase(Phase.BACKWARD)
+            try:
+                return grad(*args, **kwargs)
+            finally:
+                if before is not None:
+                    self.set_phase(before)
+
+        @functools.wraps(enter)
+        def __enter__(ac):
+            if getattr(ac, "device", None) == self.loop.device_type:
+                self.entered_autocast = True
+                if ac._enabled:
+                    self.dtypes.append(str(ac.fast_dtype).replace("torch.", ""))
+                    if want is not self.loop.precision:   # a rerun in another precision
+                        ac._nanprobe_saved = ac.fast_dtype
+                        if want.autocast:
+                            ac.fast_dtype = want.dtype
+                        else:
+                            ac._enabled = False
+            return enter(ac)
+
+        @functools.wraps(exit_)
+        def __exit__(ac, *exc):
+            try:
+                return exit_(ac, *exc)
+            finally:
+                saved = ac.__dict__.pop("_nanprobe_saved", None)
+                if saved is not None:   # the user's autocast object (maybe reused each step) gets its settings back
+                    ac._enabled, ac.fast_dtype = True, saved
+        return [Patch(torch.autograd, "grad", phased_grad), Patch(_autocast_cls, "__enter__", __enter__),
+                Patch(_autocast_cls, "__exit__", __exit__)]
 
     # -- phases --
     def _forward_pre(self, module, args) -> None:
@@ -304,49 +347,8 @@ class _StepWatch(ScriptHooks):
     def after_backward(self) -> None:
         self.set_phase(Phase.UPDATE)   # gradient processing until the next forward or step
 
-    def _wrap_grad(self, original):
-        @functools.wraps(original)
-        def grad(*args, **kwargs):
-            before = self.current
-            self.set_phase(Phase.BACKWARD)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                if before is not None:
-                    self.set_phase(before)
-        return grad
-
     def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
         self.pending_clip.append(norm)
-
-    def _wrap_enter(self, original):
-        want = self.o.precision
-
-        @functools.wraps(original)
-        def __enter__(ac):
-            if getattr(ac, "device", None) == self.loop.device_type:
-                if ac._enabled:
-                    self.dtypes.append(str(ac.fast_dtype).replace("torch.", ""))
-                self.entered_autocast = True
-                if want is not None and want is not self.loop.precision and ac._enabled:
-                    ac._nanprobe_saved = (ac._enabled, ac.fast_dtype)
-                    if want.autocast:
-                        ac.fast_dtype = want.dtype
-                    else:
-                        ac._enabled = False
-            return original(ac)
-        return __enter__
-
-    def _wrap_exit(self, original):
-        @functools.wraps(original)
-        def __exit__(ac, *exc):
-            try:
-                return original(ac, *exc)
-            finally:
-                saved = ac.__dict__.pop("_nanprobe_saved", None)
-                if saved is not None:   # the user's autocast object (maybe reused each step) gets its settings back
-                    ac._enabled, ac.fast_dtype = saved
-        return __exit__
 
     # -- the optimizer update --
     def wants_closure(self) -> bool:
@@ -357,8 +359,7 @@ class _StepWatch(ScriptHooks):
         o = self.o
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if self.pending_clip:   # the step clipped: its clip_grad_norm_ returned the norm before clipping
-            norm = self.pending_clip[0] if len(self.pending_clip) == 1 else \
-                torch.stack([n.float() for n in self.pending_clip]).norm()
+            norm = _total_norm(self.pending_clip)
             self.pending_clip.clear()
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
@@ -386,32 +387,21 @@ def _run_user_step(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
         batch = feed.get(0) if t.accumulate == 1 else MicroBatches(feed)
         result = call_user("step_fn(model, batch, step)", t.step_fn, t.model, batch, feed.step)
     feed.finish()
-    losses = _as_losses(result)
-    if losses is None:   # the step returned nothing: what it scaled, else what it backpropagated
-        seen = watch.losses
-        losses = {"loss": seen[0]} if len(seen) == 1 else {f"loss[{i}]": v for i, v in enumerate(seen)}
-    losses = {k: _scalar(v, loop.where, k) for k, v in losses.items()}
+    losses = {k: _scalar(v, loop.where, k) for k, v in _as_losses(result, watch.losses).items()}
     # a dict with a "loss" key is Lightning's convention: that entry is the loss, the others are what the step
     # reports beside it (accuracy, returns, a counter); a dict without one is several losses (a GAN's), summed
     parts = [torch.as_tensor(v, dtype=torch.float32, device=device_of(t.model))
              for v in ([losses["loss"]] if "loss" in losses else losses.values())]
     # no optimizer step saw a norm: clipped, then updated without an optimizer (hand-written SGD)
     norms = watch.norms or [n.float() for n in watch.pending_clip]
-    grad_norm = None
-    if norms:
-        grad_norm = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).norm()
-    found = scale = None
-    for s, b in zip(scalers, before):
-        if getattr(s, "_scale", None) is None:
-            continue
-        start = b if b is not None else torch.full_like(s._scale, s._init_scale)
-        dropped = (s._scale < start).float().reshape(())
-        found = dropped if found is None else found + dropped.to(found.device)
-        scale = start.reshape(()) if scale is None else scale
+    starts = [(s, b if b is not None else torch.full_like(s._scale, s._init_scale))
+              for s, b in zip(scalers, before) if getattr(s, "_scale", None) is not None]
     lr = watch.lr if watch.lr is not None else (current_lr(t.optimizers[0][1]) if t.optimizers else None)
     applied = o.precision is loop.precision or watch.entered_autocast or not o.precision.autocast or t.pure
-    return StepOutcome(loss=sum(parts[1:], parts[0]) if parts else None, losses=losses if len(losses) > 1 else {},
-                       grad_norm=grad_norm, lr=lr, found_inf=found, scale=scale,
+    return StepOutcome(loss=_sum(parts), losses=losses if len(losses) > 1 else {},
+                       grad_norm=_total_norm(norms) if norms else None, lr=lr,
+                       found_inf=_sum([(s._scale < b).float().reshape(()) for s, b in starts]),
+                       scale=starts[0][1].reshape(()) if starts else None,
                        autocast=tuple(dict.fromkeys(watch.dtypes)), precision_applied=applied)
 
 
