@@ -48,8 +48,7 @@ class ForwardStep:
             if not isinstance(item, dict):   # a step in which the root module was not called
                 continue
             dtype = item.get("autocast")
-            ctx = torch.autocast(self.device_type, dtype=getattr(torch, dtype)) if dtype else \
-                torch.autocast(self.device_type, enabled=False)
+            ctx = torch.autocast(self.device_type, dtype=getattr(torch, dtype) if dtype else None, enabled=bool(dtype))
             with torch.enable_grad():
                 with ctx:
                     out = model(*item["args"], **item["kwargs"])
@@ -127,9 +126,7 @@ def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding,
 
 
 def device_of_module(module: torch.nn.Module) -> str:
-    for p in module.parameters():
-        return p.device.type
-    return "cpu"
+    return next((p.device.type for p in module.parameters()), "cpu")
 
 
 def autocast_dtype(module: torch.nn.Module) -> str | None:

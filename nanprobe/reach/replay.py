@@ -108,7 +108,7 @@ INPUTS_BYTES = 64 << 20   # the recent batches kept for comparing a bad step's b
 # -- the per-step check -----------------------------------------------------------------------------
 
 def _delta_norms(named: list[tuple[str, torch.Tensor]], before: SavedModel
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per parameter: |w - w_before| and |w_before|, computed through one scratch buffer per dtype
     (no parameter-sized temporary: the saved parameters are streamed one tensor at a time)."""
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -125,7 +125,11 @@ def _delta_norms(named: list[tuple[str, torch.Tensor]], before: SavedModel
             olds.append(torch.linalg.vector_norm(buf, dtype=wide))
             buf.sub_(p)
             deltas.append(torch.linalg.vector_norm(buf, dtype=wide))
-    return deltas, olds
+    return torch.stack(deltas), torch.stack(olds)
+
+
+def _ratio(d: float, w: float) -> float:
+    return d / w if w > 0 else (math.inf if d > 0 else 0.0)
 
 
 def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel | None = None,
@@ -133,10 +137,10 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel |
             ) -> tuple[StepRecord, dict[str, float], bool]:
     """The cheap check of one finished step, read back with one device sync.
 
-    ``before`` (the parameters the step started from: a snapshot's saved model) adds the update ratios |dw|/|w|; ``norms`` is filled with each parameter's norm after the step.
+    ``before`` (the parameters the step started from: a snapshot's saved model) adds the update
+    ratios |dw|/|w|; ``norms`` is filled with each parameter's norm after the step.
     """
-    model = loop.target.model
-    device = outcome.loss.device if outcome.loss is not None else device_of(model)
+    device = outcome.loss.device if outcome.loss is not None else device_of(loop.target.model)
     nan = torch.full((1,), math.nan, device=device)
     parts = [v.float().reshape(1).to(device) if v is not None else nan
              for v in (outcome.loss, outcome.grad_norm, outcome.found_inf, outcome.scale)]
@@ -147,9 +151,7 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel |
         if params:
             parts.append(torch.stack([x.float() for x in torch._foreach_norm(params)]).to(device))
             if before is not None:
-                deltas, olds = _delta_norms(named, before)
-                parts.append(torch.stack(deltas).to(device))
-                parts.append(torch.stack(olds).to(device))
+                parts += [t.to(device) for t in _delta_norms(named, before)]
         if keyed:   # float64: the cat widens the rest exactly, and an fp64 rerun's losses stay exact
             parts.append(torch.stack([v.detach().double().reshape(()).to(device) for _, v in keyed]))
         values = torch.cat(parts).tolist()   # the one device sync
@@ -170,12 +172,9 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel |
             norms.update(zip((name for name, _ in named), after))
         if before is not None:
             delta, prev = values[4 + n:4 + 2 * n], values[4 + 2 * n:4 + 3 * n]
-            for (name, _), d, w in zip(named, delta, prev):
-                ratios[name] = d / w if w > 0 else (math.inf if d > 0 else 0.0)
+            ratios = {name: _ratio(d, w) for (name, _), d, w in zip(named, delta, prev)}
             # global |dw| / |w|: per-parameter ratios of near-zero tensors (fresh biases) are meaningless
-            total_w = math.sqrt(sum(w * w for w in prev))
-            total_d = math.sqrt(sum(d * d for d in delta))
-            ratio = total_d / total_w if total_w > 0 else (math.inf if total_d > 0 else 0.0)
+            ratio = _ratio(math.sqrt(sum(d * d for d in delta)), math.sqrt(sum(w * w for w in prev)))
     finite = (loss is None or math.isfinite(loss)) and params_finite and (
         gnorm is None or math.isfinite(gnorm) or skipped)
     read = dict(zip((k for k, _ in keyed), values[len(values) - len(keyed):]))
@@ -185,15 +184,6 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel |
                         epoch=position.epoch if position else None, index=position.index if position else None,
                         losses=losses)
     return record, ratios, params_finite
-
-
-# -- light capture: what a step that raises before any update needs to be undone -------------------
-
-@dataclass(slots=True)
-class _Light:
-    rng: dict[str, Any]
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    flags: list[tuple[torch.nn.Module, bool]]
 
 
 class NoBadStep(Exception):
@@ -218,11 +208,10 @@ class Replayer:
 
     def __init__(self, target: Target, *, precision: Precision, cfg: ReplayConfig, where: str,
                  policy: str = "native", monitor: MonitorConfig | None = None):
-        self.target, self.cfg, self.where, self.policy = target, cfg, where, policy
+        self.target, self.cfg = target, cfg
         self.loop = Loop(target, where, precision, policy)
         self.loop.objects.storage = storage_policy(cfg)
-        self.device_type = self.loop.device_type
-        self.rng = RngTracker(self.device_type)
+        self.rng = RngTracker(self.loop.device_type)
         self.stream = Stream(target, self.rng)
         on = monitor is not None and monitor.enabled
         self.monitor = Monitor(target.model, monitor, dtype=precision.dtype if precision.low else None,
@@ -239,22 +228,24 @@ class Replayer:
         named = self.loop.named_params
         if named:   # the norms the first update starts from (one read)
             with torch.no_grad():
-                start = torch.stack([x.float() for x in torch._foreach_norm([p for _, p in named])]).tolist()
+                start = torch.stack([x.float() for x in torch._foreach_norm(self.loop.params)]).tolist()
             self.norms.append(dict(zip((n for n, _ in named), start)))
 
-    def light(self) -> _Light:
-        return _Light(rng=self.rng.capture(), buffers=[(b, b.detach().clone()) for b in self._buffers],
-                      flags=[(m, m.training) for m in self._modules])
+    def light(self) -> tuple[dict[str, Any], Callable[[], None]]:
+        """The RNG now, and what undoes a step that raises before any update (buffers, train flags, gradients)."""
+        rng, flags = self.rng.capture(), [(m, m.training) for m in self._modules]
+        buffers = [(b, b.detach().clone()) for b in self._buffers]
 
-    def undo_light(self, light: _Light) -> None:
-        with torch.no_grad():
-            for live, saved in light.buffers:
-                live.copy_(saved)
-        for m, flag in light.flags:
-            m.training = flag
-        set_rng(light.rng)
-        for _, opt in self.loop.target.optimizers:
-            opt.zero_grad(set_to_none=True)
+        def undo() -> None:
+            with torch.no_grad():
+                for live, saved in buffers:
+                    live.copy_(saved)
+            for m, flag in flags:
+                m.training = flag
+            set_rng(rng)
+            for _, opt in self.loop.target.optimizers:
+                opt.zero_grad(set_to_none=True)
+        return rng, undo
 
     def params(self) -> SavedModel:
         """The parameters now, saved for the update ratio of one step: in the snapshots' store (a file
@@ -262,7 +253,7 @@ class Replayer:
         named = self.loop.named_params
         if self._ratio_store is None:
             nbytes = sum(p.numel() * p.element_size() for _, p in named)
-            self._ratio_store = self.loop.objects.storage.new_store(self.device_type, nbytes)
+            self._ratio_store = self.loop.objects.storage.new_store(self.loop.device_type, nbytes)
         self._ratio_slots = self._ratio_store.put_all(self.loop.params, reuse=self._ratio_slots)
         return SavedModel([(n, p, slot) for (n, p), slot in zip(named, self._ratio_slots)])
 
@@ -302,19 +293,16 @@ class Replayer:
     def seen(self, k: int, recorded: Recorded, status: Status, reason: str | None, record: StepRecord | None,
              history, **more) -> _Watch:
         """Step ``k`` as judged, with the inputs before it and the growth of the update before it."""
+        growth: dict[str, float] = {}   # |w| after / |w| before per parameter
+        back = 1 if record is not None else 0
+        if len(self.norms) >= back + 2:
+            after, prev = self.norms[-1 - back], self.norms[-2 - back]
+            sizes = sorted(v for v in prev.values() if math.isfinite(v))
+            floor = sizes[len(sizes) // 2] if sizes else 0.0   # small tensors (fresh biases) grow by large factors
+            growth = {n: after[n] / prev[n] for n in after
+                      if prev.get(n) and prev[n] >= floor and math.isfinite(after[n])}
         return _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason, history=list(history),
-                      growth=self.growth(1 if record is not None else 0),
-                      before=[rec for rec, _ in self.inputs if rec.step < k], **more)
-
-    def growth(self, back: int = 1) -> dict[str, float]:
-        """|w| after / |w| before per parameter, of the update ``back`` steps before the last one run."""
-        if len(self.norms) < back + 2:
-            return {}
-        after, before = self.norms[-1 - back], self.norms[-2 - back]
-        sizes = sorted(v for v in before.values() if math.isfinite(v))
-        floor = sizes[len(sizes) // 2] if sizes else 0.0   # small tensors (fresh biases) grow by large factors
-        return {k: after[k] / before[k] for k in after
-                if before.get(k) and before[k] >= floor and math.isfinite(after[k])}
+                      growth=growth, before=[rec for rec, _ in self.inputs if rec.step < k], **more)
 
     def _observe(self, outcome: StepOutcome) -> None:
         """After the first step: what the step function really trains in, and state kept on modules."""
@@ -408,7 +396,7 @@ def _reached(r: Replayer, w: _Watch, snap: Snapshot, ratios: dict[str, float], r
              **more) -> Reached:
     return Reached(step=w.step, recorded=w.recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
                    status=w.status, reason=w.reason, record=w.record, history=list(w.history), update_ratios=ratios,
-                   reached_by=reached_by, notes=notes + r.notes, policy=r.policy, error=w.error, before=w.before,
+                   reached_by=reached_by, notes=notes + r.notes, policy=r.loop.policy, error=w.error, before=w.before,
                    growth=w.growth, trend=r.monitor.trend if r.monitor is not None else None,
                    breakaway=r.judge.breakaway, **scheduler_info(r.target), **more)
 
@@ -428,7 +416,7 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
         feed = _open(r, k)
         if feed is None:
             epochs = f" ({r.stream.epoch + 1} epoch(s) of {r.target.epochs})" if not r.stream.callable else ""
-            raise UsageError(f"batches ran out at step {k}{epochs}, before --at {at}", r.where,
+            raise UsageError(f"batches ran out at step {k}{epochs}, before --at {at}", r.loop.where,
                              "Give a step the data reaches, raise 'epochs', or make batches longer")
         if k == at:
             snap = r.loop.objects.take()
@@ -442,7 +430,7 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
             recorded = Recorded.of(feed) if error is None else Recorded.of_partial(feed)
             w = r.seen(k, recorded, status, reason, record, history, error=error)
             return _reached(r, w, snap, ratios, reached_by, notes, earlier=earlier, step_ratios=step_ratios)
-        light = r.light()
+        rng, undo = r.light()
         before = r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
         try:
             _, record, step_ratios, params_finite = r.run(feed, before=before)
@@ -451,10 +439,10 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
             recorded = Recorded.of_partial(feed)
             if r.loop.updates_in_step:
                 raise UsageError(f"{_raised(exc, k, feed.position)}, after an optimizer update, before --at {at}",
-                                 r.where, f"Run without --at (nanprobe then rebuilds the state before step {k})") \
+                                 r.loop.where, f"Run without --at (nanprobe then rebuilds the state before step {k})") \
                     from exc
-            r.undo_light(light)
-            snap = r.loop.objects.take(rng=light.rng)
+            undo()
+            snap = r.loop.objects.take(rng=rng)
             notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
             w = r.seen(k, recorded, Status.NONFINITE, _raised(exc, k, feed.position), None, history, error=exc)
             return _reached(r, w, snap, ratios, reached_by, notes, earlier=earlier)

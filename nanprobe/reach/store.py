@@ -70,7 +70,10 @@ class TensorStore:
         if reuse is not None and len(reuse) == len(tensors) and all(
                 s.shape == t.shape and s.dtype == t.dtype and s.device == t.device for s, t in zip(reuse, tensors)):
             for s, t in zip(reuse, tensors):
-                self._overwrite(s, t)
+                if self.mode == "disk":
+                    self._write(self._open(), t.detach(), s.offset)
+                else:
+                    self._tensors[s.index].copy_(t.detach())   # (the stored copy does not require grad)
             return reuse
         self._tensors, self._size = [], 0
         if self._file is not None:
@@ -91,12 +94,6 @@ class TensorStore:
             self._size += slot.nbytes
             self._tensors.append(None)
         return slot
-
-    def _overwrite(self, slot: Slot, t: torch.Tensor) -> None:
-        if self.mode == "disk":
-            self._write(self._open(), t.detach(), slot.offset)
-        else:
-            self._tensors[slot.index].copy_(t.detach())   # (the stored copy does not require grad)
 
     def _open(self):
         if self._file is None:
