@@ -142,8 +142,8 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel |
     """
     device = outcome.loss.device if outcome.loss is not None else device_of(loop.target.model)
     nan = torch.full((1,), math.nan, device=device)
-    parts = [v.float().reshape(1).to(device) if v is not None else nan
-             for v in (outcome.loss, outcome.grad_norm, outcome.found_inf, outcome.scale)]
+    heads = (outcome.loss, outcome.grad_norm, outcome.found_inf, outcome.scale)
+    parts = [v.float().reshape(1).to(device) if v is not None else nan for v in heads]
     named, params = loop.named_params, loop.params
     n = len(params)
     keyed = [(k, v) for k, v in outcome.losses.items() if isinstance(v, torch.Tensor)]
@@ -155,10 +155,8 @@ def measure(loop: Loop, outcome: StepOutcome, step: int, *, before: SavedModel |
         if keyed:   # float64: the cat widens the rest exactly, and an fp64 rerun's losses stay exact
             parts.append(torch.stack([v.detach().double().reshape(()).to(device) for _, v in keyed]))
         values = torch.cat(parts).tolist()   # the one device sync
-    loss = values[0] if outcome.loss is not None else None
-    gnorm = values[1] if outcome.grad_norm is not None else None
-    skipped = outcome.found_inf is not None and values[2] > 0
-    scale = values[3] if outcome.scale is not None else None
+    loss, gnorm, found, scale = (v if h is not None else None for v, h in zip(values, heads))
+    skipped = found is not None and found > 0
     ratios: dict[str, float] = {}
     ratio = None
     params_finite = True
@@ -572,10 +570,8 @@ def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded],
         outcome = r.loop.run(rec.feed())   # no fetch: the state goes where the live run took it
         if before is not None:
             last, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
-            for j in range(len(history) - 1, -1, -1):
-                if history[j].step == last.step:
-                    history[j] = dataclasses.replace(history[j], update_ratio=last.update_ratio)
-                    break
+            if history and history[-1].step == last.step:   # the log and the history end at the same step
+                history[-1] = dataclasses.replace(history[-1], update_ratio=last.update_ratio)
     if not log:
         return rolling, ratios
     return r.loop.objects.take(reuse=rolling), ratios   # the rolling snapshot's storage is not needed again

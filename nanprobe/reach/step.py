@@ -229,22 +229,14 @@ def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
 
 # -- the user's own step ----------------------------------------------------------------------------
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool)
-
-
 def _as_losses(result: Any, seen: list[torch.Tensor]) -> dict[str, torch.Tensor | float]:
     """step_fn's return value -> named losses; when it returned nothing, what it scaled, else what it
     backpropagated (``seen``)."""
     if result is None:
         return {"loss": seen[0]} if len(seen) == 1 else {f"loss[{i}]": v for i, v in enumerate(seen)}
-    if _is_number(result):
-        return {"loss": result}
-    if isinstance(result, Mapping):
-        return {str(k): v for k, v in result.items() if _is_number(v)}
-    if isinstance(result, (tuple, list)):
-        return {f"loss[{i}]": v for i, v in enumerate(result) if _is_number(v)}
-    return {}
+    named = result.items() if isinstance(result, Mapping) else \
+        [(f"loss[{i}]", v) for i, v in enumerate(result)] if isinstance(result, (tuple, list)) else [("loss", result)]
+    return {str(k): v for k, v in named if isinstance(v, (torch.Tensor, int, float)) and not isinstance(v, bool)}
 
 
 def _scalar(v: torch.Tensor | float, where: str, name: str) -> torch.Tensor | float:
