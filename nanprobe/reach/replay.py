@@ -255,7 +255,7 @@ class Replayer:
         self._ratio_slots = self._ratio_store.put_all(self.loop.params, reuse=self._ratio_slots)
         return SavedModel([(n, p, slot) for (n, p), slot in zip(named, self._ratio_slots)])
 
-    def run(self, feed, *, before: dict[str, torch.Tensor] | None = None
+    def run(self, feed, *, before: SavedModel | None = None
             ) -> tuple[StepOutcome, StepRecord, dict[str, float], bool]:
         """Run one live step and check it."""
         self.rng.begin_step()
@@ -289,8 +289,9 @@ class Replayer:
             self.inputs.popleft()
 
     def seen(self, k: int, recorded: Recorded, status: Status, reason: str | None, record: StepRecord | None,
-             history, **more) -> _Watch:
-        """Step ``k`` as judged, with the inputs before it and the growth of the update before it."""
+             history, error: UserCodeError | None = None) -> Reached:
+        """Step ``k`` as judged, with the inputs before it and the growth of the update before it (the state
+        before it comes with :func:`_reached`)."""
         growth: dict[str, float] = {}   # |w| after / |w| before per parameter
         back = 1 if record is not None else 0
         if len(self.norms) >= back + 2:
@@ -299,8 +300,9 @@ class Replayer:
             floor = sizes[len(sizes) // 2] if sizes else 0.0   # small tensors (fresh biases) grow by large factors
             growth = {n: after[n] / prev[n] for n in after
                       if prev.get(n) and prev[n] >= floor and math.isfinite(after[n])}
-        return _Watch(step=k, recorded=recorded, record=record, status=status, reason=reason, history=list(history),
-                      growth=growth, before=[rec for rec, _ in self.inputs if rec.step < k], **more)
+        return Reached(step=k, recorded=recorded, snapshot=None, loop=self.loop, precision=self.loop.precision,
+                       status=status, reason=reason, record=record, history=list(history), policy=self.loop.policy,
+                       error=error, growth=growth, before=[rec for rec, _ in self.inputs if rec.step < k])
 
     def _observe(self, outcome: StepOutcome) -> None:
         """After the first step: what the step function really trains in, and state kept on modules."""
@@ -373,30 +375,21 @@ def _open(r: Replayer, k: int):
 
 @dataclass(slots=True)
 class _Watch:
-    """A step judged bad (or a spike decided at once, replayed past to see whether it recovers): what
-    rebuilds the state before it."""
+    """A bad step (or a spike decided at once, replayed past to see whether it recovers) and the rolling
+    snapshot and logged steps that rebuild the state before it."""
 
-    step: int
-    recorded: Recorded
-    record: StepRecord | None
-    status: Status
-    reason: str | None
-    history: list[StepRecord]
-    growth: dict[str, float]
-    before: list[Recorded]
-    rolling: Snapshot | None = None   # the snapshot the state is rebuilt from, replaying ``log``
-    log: list[Recorded] = field(default_factory=list)
+    seen: Reached                     # from Replayer.seen: no snapshot yet
+    rolling: Snapshot
+    log: list[Recorded]
     left: int = 0                     # steps still to watch
-    error: UserCodeError | None = None
 
 
-def _reached(r: Replayer, w: _Watch, snap: Snapshot, ratios: dict[str, float], reached_by: str, notes: list[str],
-             **more) -> Reached:
-    return Reached(step=w.step, recorded=w.recorded, snapshot=snap, loop=r.loop, precision=r.loop.precision,
-                   status=w.status, reason=w.reason, record=w.record, history=list(w.history), update_ratios=ratios,
-                   reached_by=reached_by, notes=notes + r.notes, policy=r.loop.policy, error=w.error, before=w.before,
-                   growth=w.growth, trend=r.monitor.trend if r.monitor is not None else None,
-                   breakaway=r.judge.breakaway, **scheduler_info(r.target), **more)
+def _reached(r: Replayer, seen: Reached, snap: Snapshot, ratios: dict[str, float], reached_by: str,
+             notes: list[str], **more) -> Reached:
+    return dataclasses.replace(seen, snapshot=snap, precision=r.loop.precision, update_ratios=ratios,
+                               reached_by=reached_by, notes=notes + r.notes, breakaway=r.judge.breakaway,
+                               trend=r.monitor.trend if r.monitor is not None else None, **scheduler_info(r.target),
+                               **more)
 
 
 def _raised(exc: UserCodeError, k: int, position: Position | None) -> str:
@@ -459,7 +452,7 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _excursion_note(w: _Watch, back: StepRecord) -> str:
+def _excursion_note(w: Reached, back: StepRecord) -> str:
     prev = [h.loss for h in w.history[-3:] if h.loss is not None]
     jump = ""
     if prev and w.record.loss is not None and min(prev) > 0:
@@ -486,15 +479,15 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
 
     def rebuilt(w: _Watch, extra: list[str] = ()) -> Reached:
         """The state before ``w``'s step (rebuilt from its snapshot); a recovered excursion before it is its onset."""
-        snap, ratios = _rebuild(r, w.rolling, w.log, w.history)
-        out = _reached(r, w, snap, ratios, reached_by, notes + list(extra))
+        snap, ratios = _rebuild(r, w.rolling, w.log, w.seen.history)
+        out = _reached(r, w.seen, snap, ratios, reached_by, notes + list(extra))
         if first is not None and first is not w:
-            out.onset = first.step
+            out.onset = first.seen.step
         return out
 
     def here(recorded: Recorded, status: Status, reason: str | None, record: StepRecord | None,
              error: UserCodeError | None = None) -> Reached:
-        return rebuilt(r.seen(k, recorded, status, reason, record, history, rolling=rolling, log=log, error=error))
+        return rebuilt(_Watch(r.seen(k, recorded, status, reason, record, history, error), rolling, log))
 
     while True:
         feed = _open(r, k) if k - start < limit else None
@@ -503,14 +496,14 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             if first is None:
                 last = None   # with keep_last: the state before the last replayed step
                 if keep_last and log:
-                    last = rebuilt(r.seen(history[-1].step, log[-1], Status.FINITE, None, history[-1],
-                                          list(history)[:-1], rolling=rolling, log=log[:-1]))
+                    last = rebuilt(_Watch(r.seen(history[-1].step, log[-1], Status.FINITE, None, history[-1],
+                                                 list(history)[:-1]), rolling, log[:-1]))
                 raise NoBadStep(k - start, list(history), limit, data_ended=ended, last=last,
                                 epochs=r.stream.epoch + 1 if ended and not r.stream.callable else None,
                                 trend=r.monitor.trend if r.monitor is not None else None, notes=r.judge.notes)
             ran = "the data ran out" if ended else f"the --max-steps limit {limit}"
-            return rebuilt(first, [f"nothing failed after it in the {k - first.step - 1} steps to {ran}: "
-                                   f"diagnosing the excursion at step {first.step}"])
+            return rebuilt(first, [f"nothing failed after it in the {k - first.seen.step - 1} steps to {ran}: "
+                                   f"diagnosing the excursion at step {first.seen.step}"])
         if watch is None and (rolling is None or len(log) >= every):
             # the state at step k's start; its first micro-batch is already fetched, and replaying the
             # log puts the RNG where that fetch left it, so the snapshot may be taken after it (the
@@ -531,12 +524,12 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
             if status is Status.NONFINITE and first is not None:
                 # after an excursion that recovered, a spike is judged by what follows it: it ran into
                 # non-finite values, and the first non-finite step is the failure, with the excursion as onset
-                notes.append(f"step {watch.step} did not recover ({watch.reason}); step {k} is non-finite")
+                notes.append(f"step {watch.seen.step} did not recover ({watch.seen.reason}); step {k} is non-finite")
                 return here(recorded, status, reason, record)
             if status is not Status.FINITE:
                 return rebuilt(watch)   # it did not recover: the spike is the failure
             if r.judge.back_to_normal(record):
-                notes.append(_excursion_note(watch, record))
+                notes.append(_excursion_note(watch.seen, record))
                 if first is None:
                     first = watch
                 watch = None
@@ -547,10 +540,10 @@ def _reach_first_bad(r: Replayer, start: int, limit: int, reached_by: str, notes
         elif status is not Status.FINITE:
             if not (excursions and status is Status.SPIKE and r.judge.at_once()):
                 return here(recorded, status, reason, record)
-            watch = r.seen(k, recorded, status, reason, record, history, rolling=rolling, log=list(log),
+            watch = _Watch(r.seen(k, recorded, status, reason, record, history), rolling, list(log),
                            left=max(r.cfg.persist_steps, 1))
         log.append(recorded)
-        r.judge.add(record, excursion=watch is not None and watch.step == k)
+        r.judge.add(record, excursion=watch is not None and watch.seen.step == k)
         history.append(record)
         r.remember(recorded)
         k += 1
