@@ -409,36 +409,29 @@ def _reach_at(r: Replayer, at: int, start: int, reached_by: str, notes: list[str
             epochs = f" ({r.stream.epoch + 1} epoch(s) of {r.target.epochs})" if not r.stream.callable else ""
             raise UsageError(f"batches ran out at step {k}{epochs}, before --at {at}", r.loop.where,
                              "Give a step the data reaches, raise 'epochs', or make batches longer")
-        if k == at:
-            snap = r.loop.objects.take()
-            record, step_ratios, error = None, {}, None
-            try:
-                _, record, step_ratios, params_finite = r.run(feed, before=snap.model)
-                status, reason = r.judge.judge(record, params_finite)
-            except UserCodeError as exc:
-                status, reason, error = Status.NONFINITE, _raised(exc, k, feed.position), exc
-            snap.restore(r.loop.objects)
+        rng, undo = r.light() if k < at else (None, None)
+        snap = r.loop.objects.take() if k == at else None   # step at: its state, and its own update ratios
+        before = snap.model if k == at else r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
+        record, step_ratios, error = None, {}, None
+        try:
+            _, record, step_ratios, params_finite = r.run(feed, before=before)
+            status, reason = r.judge.judge(record, params_finite)
+        except UserCodeError as exc:
+            status, reason, error = Status.NONFINITE, _raised(exc, k, feed.position), exc
+            if k < at:   # the step raised: it is the bad step (the run cannot go past it); undo what it did
+                if r.loop.updates_in_step:
+                    raise UsageError(f"{reason}, after an optimizer update, before --at {at}", r.loop.where,
+                                     f"Run without --at (nanprobe then rebuilds the state before step {k})") from exc
+                undo()
+                snap = r.loop.objects.take(rng=rng)
+                notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
+        if snap is not None:
+            if k == at:
+                snap.restore(r.loop.objects)
             recorded = Recorded.of(feed) if error is None else Recorded.of_partial(feed)
             w = r.seen(k, recorded, status, reason, record, history, error=error)
             return _reached(r, w, snap, ratios, reached_by, notes, earlier=earlier, step_ratios=step_ratios)
-        rng, undo = r.light()
-        before = r.params() if k >= ratio_from and r.cfg.ratio_steps > 0 else None
-        try:
-            _, record, step_ratios, params_finite = r.run(feed, before=before)
-        except UserCodeError as exc:
-            # the step raised: it is the bad step (the run cannot go past it); undo what it did
-            recorded = Recorded.of_partial(feed)
-            if r.loop.updates_in_step:
-                raise UsageError(f"{_raised(exc, k, feed.position)}, after an optimizer update, before --at {at}",
-                                 r.loop.where, f"Run without --at (nanprobe then rebuilds the state before step {k})") \
-                    from exc
-            undo()
-            snap = r.loop.objects.take(rng=rng)
-            notes.append(f"step {k} raised before --at {at}: diagnosing step {k} (the run cannot get past it)")
-            w = r.seen(k, recorded, Status.NONFINITE, _raised(exc, k, feed.position), None, history, error=exc)
-            return _reached(r, w, snap, ratios, reached_by, notes, earlier=earlier)
         r.remember(Recorded(step=k, items=list(feed.items), position=feed.position))
-        status, reason = r.judge.judge(record, params_finite)
         if status is not Status.FINITE:
             earlier.append(record)
             if len(earlier) <= 3:   # the first three are noted

@@ -197,10 +197,8 @@ def _run_canonical(loop: Loop, feed: Feed, o: RunOptions) -> StepOutcome:
             infs += [v.float() for v in scaler._found_inf_per_device(opt).values()]
     found = _sum(infs)
     with_grad = [p for p in loop.params if p.grad is not None]
-    grad_norm = None
-    if with_grad:
-        grad_norm = (torch.nn.utils.clip_grad_norm_(with_grad, clip) if clip
-                     else torch.nn.utils.get_total_norm([p.grad for p in with_grad])).detach()
+    grad_norm = None if not with_grad else (torch.nn.utils.clip_grad_norm_(with_grad, clip) if clip
+                                            else torch.nn.utils.get_total_norm([p.grad for p in with_grad])).detach()
     out = StepOutcome(loss=_sum(micro),
                       losses={f"micro-batch {i}": v for i, v in enumerate(micro)} if len(micro) > 1 else {},
                       grad_norm=grad_norm, lr=current_lr(opts[0][1]) if opts else None, found_inf=found,
