@@ -119,10 +119,9 @@ def loss_outside_finding(info: dict[str, Any], precision: str) -> tuple[Finding,
         lines.insert(2, "but the loss is NaN, which exp does not make from a finite input: the NaN may come from a "
                         "value computed without gradients (advantages, targets, a normalisation) that the graph "
                         "does not show")
-    finding = Finding(cause=cause, confidence=0.6 if one else 0.4, phase=Phase.FORWARD, module=module,
-                      op=op, evidence=tuple(lines))
-    origin = Origin(phase=Phase.FORWARD, module=module, op=op, precision=precision, kind=info.get("kind"))
-    return finding, origin
+    return (Finding(cause=cause, confidence=0.6 if one else 0.4, phase=Phase.FORWARD, module=module, op=op,
+                    evidence=tuple(lines)),
+            Origin(phase=Phase.FORWARD, module=module, op=op, precision=precision, kind=info.get("kind")))
 
 
 def device_of_module(module: torch.nn.Module) -> str:

@@ -550,16 +550,14 @@ def _rebuild(r: Replayer, rolling: Snapshot, log: list[Recorded],
     update ratio goes into its ``history`` row (the replay itself measures none: it copies nothing).
     """
     rolling.restore(r.loop.objects)
-    ratios: dict[str, float] = {}
-    for i, rec in enumerate(log):
-        before = r.params() if i == len(log) - 1 else None
-        outcome = r.loop.run(rec.feed())   # no fetch: the state goes where the live run took it
-        if before is not None:
-            last, ratios, _ = measure(r.loop, outcome, rec.step, before=before, position=rec.position)
-            if history and history[-1].step == last.step:   # the log and the history end at the same step
-                history[-1] = dataclasses.replace(history[-1], update_ratio=last.update_ratio)
     if not log:
-        return rolling, ratios
+        return rolling, {}
+    for rec in log[:-1]:
+        r.loop.run(rec.feed())   # no fetch: the state goes where the live run took it
+    rec, before = log[-1], r.params()
+    last, ratios, _ = measure(r.loop, r.loop.run(rec.feed()), rec.step, before=before, position=rec.position)
+    if history and history[-1].step == last.step:   # the log and the history end at the same step
+        history[-1] = dataclasses.replace(history[-1], update_ratio=last.update_ratio)
     return r.loop.objects.take(reuse=rolling), ratios   # the rolling snapshot's storage is not needed again
 
 
