@@ -93,10 +93,9 @@ class Reached:
 
 
 def scheduler_info(target: Target) -> dict[str, Any]:
-    scheds = target.schedulers
-    if not scheds:
+    if not target.schedulers:
         return {}
-    sched = scheds[0][1]
+    sched = target.schedulers[0][1]
     base = getattr(sched, "base_lrs", None) or []
     return {"scheduler_kind": type(sched).__name__,
             "scheduler_base_lrs": tuple(float(b) for b in base if isinstance(b, (int, float)))}
