@@ -12,6 +12,7 @@ import torch
 
 from . import require
 from ..live import POLICIES, HookedGuard, HookEvent, check_policy, resolve_config, skip_update
+from ..reach.feed import Position
 
 
 class GuardedCallback:
@@ -47,14 +48,32 @@ class GuardedCallback:
                                   max_reports=self.max_reports, events=self.events)
         self._guard.core.curves = curves
 
+    def _micro(self, batch: Any, step: int, epoch: int, index: int) -> None:
+        """A micro-batch (``index``: the framework's count of them) of the step in progress, or of a new step
+        ``step`` in ``epoch``."""
+        g = self._guard
+        if not g.in_step:
+            self._current = (step, epoch)
+            self._items = []
+        self._items.append(index)
+        g.micro(batch, self._current[0])
+
+    def _reset(self) -> None:
+        """A new epoch: a step whose capture never finished is dropped."""
+        if self._guard is not None and not self._guard.busy:
+            self._guard.core.reset()
+            self._stepped = False
+
     def _live(self) -> HookedGuard | None:
         """The guard, while a step is being captured and nanprobe is not rerunning one."""
         g = self._guard
         return g if g is not None and not g.busy and g.in_step and self._current is not None else None
 
-    def _check(self, opt: torch.optim.Optimizer, **kwargs: Any) -> None:
-        """Judge the step before its update; a bad one's update is skipped."""
-        if self._guard.check(self._current[0], [opt], **kwargs):
+    def _check(self, opt: torch.optim.Optimizer, index: int, **kwargs: Any) -> None:
+        """Judge the step (``index``: its place in the epoch) before its update; a bad one's update is skipped."""
+        step, epoch = self._current
+        position = Position(step=step, epoch=epoch, index=index, items=tuple(self._items))
+        if self._guard.check(step, [opt], position=position, **kwargs):
             skip_update([opt], kwargs.get("scaler"))
 
     def _ended(self) -> HookedGuard | None:
@@ -87,6 +106,11 @@ class GuardedCallback:
         return self.frameworks[0]
 
 
+def enabled(scaler: Any) -> torch.amp.GradScaler | None:
+    """``scaler`` if it is an enabled GradScaler."""
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
 def set_for(obj: Any, name: str, value: Any) -> contextlib.ExitStack:
     """``obj.name`` reads ``value`` from now until the returned context exits."""
     stack = contextlib.ExitStack()
@@ -95,4 +119,4 @@ def set_for(obj: Any, name: str, value: Any) -> contextlib.ExitStack:
     return stack
 
 
-__all__ = ["GuardedCallback", "set_for"]
+__all__ = ["GuardedCallback", "enabled", "set_for"]

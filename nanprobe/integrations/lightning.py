@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..reach.feed import MicroBatches, Position
+from ..reach.feed import MicroBatches
 from ..base.precision import Precision
 from ..reach.target import Target, validate
-from ._callback import GuardedCallback, set_for
+from ._callback import GuardedCallback, enabled, set_for
 
 try:
     from lightning.pytorch import Callback as _Base
@@ -157,15 +157,12 @@ class NanprobeCallback(GuardedCallback, _Base):
 
     def _scaler(self) -> torch.amp.GradScaler | None:
         """The precision plugin's enabled GradScaler."""
-        scaler = self._fit[1]
-        return scaler if scaler is not None and scaler.is_enabled() else None
+        return enabled(self._fit[1])
 
     # -- the hooks ------------------------------------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._guard is not None and not self._guard.busy:
-            self._guard.core.reset()
-            self._items, self._stepped = [], False
+        self._reset()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not pl_module.automatic_optimization:
@@ -176,14 +173,8 @@ class NanprobeCallback(GuardedCallback, _Base):
                                "instead (guard.step / guard.backward / guard.optimizer_step).",
                                type(pl_module).__name__)
             return
-        g = self._attach(trainer, pl_module)
-        if g.busy:
-            return
-        if not g.in_step:
-            self._current = (int(trainer.global_step), int(trainer.current_epoch))
-            self._items = []
-        self._items.append(int(batch_idx))
-        g.micro(batch, self._current[0])
+        if not self._attach(trainer, pl_module).busy:
+            self._micro(batch, int(trainer.global_step), int(trainer.current_epoch), int(batch_idx))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         g = self._live()
@@ -203,13 +194,9 @@ class NanprobeCallback(GuardedCallback, _Base):
         self._check_step(trainer, optimizer, None)
 
     def _check_step(self, trainer: Any, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> None:
-        step, epoch = self._current
-        accumulate = max(int(trainer.accumulate_grad_batches), 1)
-        position = Position(step=step, epoch=epoch, index=self._items[0] // accumulate,
-                            items=tuple(self._items))
         clip = trainer.gradient_clip_val if norm is not None else None
-        self._check(optimizer, norm=norm, scaler=self._scaler(), position=position,
-                    max_grad_norm=float(clip) if clip else None)
+        self._check(optimizer, self._items[0] // max(int(trainer.accumulate_grad_batches), 1), norm=norm,
+                    scaler=self._scaler(), max_grad_norm=float(clip) if clip else None)
 
     # -- the norm Lightning's clipping computes anyway ------------------------------------------------
 

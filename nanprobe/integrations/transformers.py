@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from ..reach.feed import MicroBatches, Position
+from ..reach.feed import MicroBatches
 from ..live import total_norm, unscaled
 from ..base.errors import UsageError
 from ..base.precision import Precision
 from ..reach.target import validate
 from . import require
-from ._callback import GuardedCallback, set_for
+from ._callback import GuardedCallback, enabled, set_for
 
 try:
     from transformers import Trainer as _Trainer
@@ -189,23 +189,19 @@ class NanprobeCallback(GuardedCallback, _Base):
         return wrapper
 
     def _scaler(self) -> torch.amp.GradScaler | None:
-        scaler = getattr(self._trainer.accelerator, "scaler", None)
-        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+        return enabled(getattr(self._trainer.accelerator, "scaler", None))
 
     # -- the wrapped training_step ------------------------------------------------------------------------
 
     def _training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None, *args: Any,
                        **kwargs: Any) -> torch.Tensor:
-        g, t = self._guard, self._trainer
+        g = self._guard
         live = g is not None and not g.busy
         if live:
-            if not g.in_step:
-                self._current = (int(t.state.global_step), self._epoch)
-                self._items = []
-            self._items.append(self._items_in_epoch)
+            self._micro({"inputs": dict(inputs) if isinstance(inputs, dict) else inputs,
+                         "num_items_in_batch": num_items_in_batch}, int(self._trainer.state.global_step),
+                        self._epoch, self._items_in_epoch)
             self._items_in_epoch += 1
-            g.micro({"inputs": dict(inputs) if isinstance(inputs, dict) else inputs,
-                     "num_items_in_batch": num_items_in_batch}, self._current[0])
         loss = self._original(model, inputs, num_items_in_batch, *args, **kwargs)
         if live:
             g.note_loss(loss)
@@ -216,15 +212,12 @@ class NanprobeCallback(GuardedCallback, _Base):
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._epoch += 1
         self._steps_in_epoch = self._items_in_epoch = 0
-        if self._guard is not None and not self._guard.busy:
-            self._guard.core.reset()
+        self._reset()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._live() is None:
             return
-        step, epoch = self._current
         opt = _unwrap_optimizer(self._trainer.optimizer)
-        position = Position(step=step, epoch=epoch, index=self._steps_in_epoch, items=tuple(self._items))
         scaler = self._scaler()
         norm, self._norm = self._norm, None
         if norm is None:   # the Trainer computed none (older versions without clipping): the gradients are final
@@ -232,7 +225,7 @@ class NanprobeCallback(GuardedCallback, _Base):
             if norm is not None and scaler is not None and scaler._scale is not None and not unscaled(scaler, opt):
                 norm = norm / scaler._scale
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        self._check(opt, norm=norm, scaler=scaler, position=position, max_grad_norm=clip)
+        self._check(opt, self._steps_in_epoch, norm=norm, scaler=scaler, max_grad_norm=clip)
         self._stepped = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

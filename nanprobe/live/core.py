@@ -21,10 +21,11 @@ adapter's: the policy is a parameter of the adapter, not a kind of core.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import os
-import struct
+import shlex
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,14 +46,6 @@ from .. import capsule as _capsule
 from ..base.precision import device_of
 
 RNG_MODES = ("auto", "all", "torch")
-
-
-def distributed() -> tuple[int, int]:
-    """(rank, world size) under torch.distributed, else (0, 1)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def check_guard_config(cfg: GuardConfig, where: str) -> None:
@@ -95,8 +88,9 @@ def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
     return float(lr) if isinstance(lr, (int, float)) else None
 
 
-def grads_of(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    return [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None]
+def at_command(entry: str | None, step: int) -> str:
+    """The command that diagnoses step ``step`` by replaying it (``ENTRY`` where the entrypoint is not known)."""
+    return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --at {step}"
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -184,8 +178,10 @@ class StepCore:
         self.items, self.rng_after, self.losses = [], [], []
 
     def world(self) -> tuple[int, int]:
+        dist = torch.distributed
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
-            self._world = distributed()
+            self._world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
+                else (0, 1)
         return self._world
 
     # -- the check ------------------------------------------------------------------------------------
@@ -451,15 +447,10 @@ class Adapter:
 
 
 def _f32(x: float) -> float:
-    """x rounded to float32: a float64 sum of two float32 values is exact, so rounding it gives what a
-    float32 add gives (the loss the reruns report is a float32 sum of the same values)."""
-    if not math.isfinite(x):
-        return x
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:   # beyond float32's range: a float32 add gives inf
-        return math.copysign(math.inf, x)
+    """x rounded to float32 (C's cast: beyond float32's range, inf): a float64 sum of two float32 values is
+    exact, so rounding it gives what a float32 add gives (the loss the reruns report is a float32 sum)."""
+    return ctypes.c_float(x).value
 
 
-__all__ = ["StepCore", "Verdict", "Adapter", "distributed", "check_guard_config", "resolve_config", "current_lr",
-           "grads_of", "total_norm", "RNG_MODES"]
+__all__ = ["StepCore", "Verdict", "Adapter", "check_guard_config", "resolve_config", "current_lr", "total_norm",
+           "at_command", "RNG_MODES"]

@@ -8,11 +8,9 @@ one line with the exact ``nanprobe run ENTRY --capsule PATH`` command, and train
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import os
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ from ..base.sharding import clip_norm, fsdp1_root, total_norm
 from ..reach.hooks import unscale_ready
 from ..reach.state import capture_rng
 from ..reach.target import named
-from .core import Adapter, StepCore, Verdict, check_guard_config, resolve_config
+from .core import Adapter, StepCore, Verdict, at_command, check_guard_config, resolve_config
 
 logger = logging.getLogger("nanprobe.guard")
 
@@ -78,11 +76,6 @@ class GuardTripped(NanprobeError):
         fix = f"Diagnose it: {event.command}" if event.command else "Diagnose it with nanprobe run ENTRY --at " \
             f"{max(event.step - 1, 0)}"
         super().__init__(f"nanprobe.Guard stopped training at step {event.step}: {event.reason}", why, fix)
-
-
-def at_command(entry: str | None, step: int) -> str:
-    """The command that diagnoses step ``step`` by replaying it (``ENTRY`` where the entrypoint is not known)."""
-    return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --at {step}"
 
 
 class Guard(Adapter):
@@ -148,9 +141,9 @@ class Guard(Adapter):
                              "Pass a nanprobe Config, its .guard section, a YAML path or a dict of guard keys")
         base = Config(guard=config) if isinstance(config, GuardConfig) else resolve_config(
             {"guard": dict(config)} if isinstance(config, Mapping) else config, "Guard(config=...)")
-        cfg = resolve_config(base, "nanprobe.Guard(...)", policy=policy, check_every=check_every,
-                             capsule_dir=None if capsule_dir is None else str(capsule_dir)).guard
-        check_guard_config(cfg, "nanprobe.Guard")
+        config = resolve_config(base, "nanprobe.Guard(...)", policy=policy, check_every=check_every,
+                                capsule_dir=None if capsule_dir is None else str(capsule_dir))
+        check_guard_config(config.guard, "nanprobe.Guard")
         self.model = model
         self.optimizer = optimizer
         self.optimizers = [o for _, o in optimizers]
@@ -158,9 +151,9 @@ class Guard(Adapter):
         self.scheduler = scheduler
         self.schedulers = [s for _, s in named(scheduler, "scheduler")]
         self.entry = entry
-        self.cfg = cfg
+        self.cfg = config.guard
         self.enabled = bool(enabled)
-        self.capsule_dir = Path(cfg.capsule_dir).resolve()
+        self.capsule_dir = Path(self.cfg.capsule_dir).resolve()
         self.events: list[GuardEvent] = []
         self.capsules: list[Path] = []
         self._next = int(start_step)        # number of the next step
@@ -170,7 +163,7 @@ class Guard(Adapter):
         self._needs_closure = next((type(o).__name__ for o in self.optimizers if _needs_closure(o)), None)
         # the step's state and judgement (the precursor monitor: every monitor.live_every steps, from the same
         # config: a YAML file's monitor section too)
-        self.core = StepCore(model, dataclasses.replace(base, guard=cfg), self.precision, logger)
+        self.core = StepCore(model, config, self.precision, logger)
         if not self.enabled:
             self.core.monitor = None
 

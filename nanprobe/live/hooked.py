@@ -41,9 +41,8 @@ from ..reach.replay import Reached, scheduler_info, storage_policy
 from ..reach.state import Snapshot
 from ..reach.step import Loop
 from ..reach.target import Target
-from .core import Adapter, StepCore, Verdict, check_guard_config, current_lr, grads_of
+from .core import Adapter, StepCore, Verdict, at_command, check_guard_config, current_lr
 from .events import POLICIES, HookEvent, Stopped, check_policy
-from .guard import at_command
 
 
 @dataclass(slots=True, kw_only=True)
@@ -175,7 +174,8 @@ class HookedGuard(Adapter):
                 self.pending.before.release()
             self.pending = None
             if norm is None:   # FSDP1: the shard norms summed over its process group
-                norm = total_norm(self.model, grads_of(optimizers))
+                norm = total_norm(self.model, [p.grad for opt in optimizers for group in opt.param_groups
+                                               for p in group["params"] if p.grad is not None])
             v = core.check(step, optimizers, norm, scaler, position)
             if v.update_born is not None:
                 return self._update_born(v.update_born[0], v.record, v.rank, v.world, v.update_born[1])
