@@ -76,14 +76,12 @@ class LightningStep:
     def __init__(self, trainer: Any, module: Any):
         self.trainer = trainer
         self.module = module
-        self.batch_idx: dict[int, tuple[int, ...]] = {}   # step -> Lightning's batch_idx of its micro-batches
-        self.epoch: dict[int, int] = {}
+        self.at: dict[int, tuple[int, tuple[int, ...]]] = {}   # step -> its epoch, the batch_idx of its micro-batches
 
     def __call__(self, model: torch.nn.Module, batch: Any, step: int) -> torch.Tensor | None:
         trainer, module = self.trainer, self.module
         micro = batch if isinstance(batch, MicroBatches) else [batch]
-        epoch = self.epoch.get(step, trainer.current_epoch)
-        idx = self.batch_idx.get(step, ())
+        epoch, idx = self.at.get(step, (trainer.current_epoch, ()))
         raw = trainer.optimizers[0]
         lopt = trainer.strategy._lightning_optimizers[0]
         Closure = _framework(".loops.optimization.automatic").Closure
@@ -185,8 +183,7 @@ class NanprobeCallback(GuardedCallback, _Base):
         if self._live() is None:
             return
         step, epoch = self._current
-        self._step.batch_idx[step] = tuple(self._items)
-        self._step.epoch[step] = epoch
+        self._step.at[step] = (epoch, tuple(self._items))
         self._stepped = True
         if self._fit[2]:
             self._deferred = optimizer   # checked right after Lightning's clipping, with the norm it computes
@@ -243,9 +240,8 @@ class NanprobeCallback(GuardedCallback, _Base):
             if self._conclude((int(trainer.global_step) - 1, int(trainer.current_epoch)),
                               partial(_global_step_at, trainer)):
                 trainer.should_stop = True
-        finally:   # the reruns read the step's batch_idx and epoch from these
-            self._step.batch_idx.clear()
-            self._step.epoch.clear()
+        finally:   # the reruns read the step's batch_idx and epoch there
+            self._step.at.clear()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._guard is not None:

@@ -63,11 +63,9 @@ def check_guard_config(cfg: GuardConfig, where: str) -> None:
 def resolve_config(config: Any, where: str, **guard: Any) -> Config:
     """A Config from None (the defaults), a Config, a YAML path or a dict of sections; ``guard`` keys
     that are not None override the guard section (e.g. ``check_every``)."""
-    if config is None:
-        cfg = load_config()
-    elif isinstance(config, Config):
+    if isinstance(config, Config):
         cfg = config
-    elif isinstance(config, (str, os.PathLike)):
+    elif config is None or isinstance(config, (str, os.PathLike)):
         cfg = load_config(config)
     elif isinstance(config, Mapping):
         cfg = _build(dict(config), where, base=load_config())
@@ -115,7 +113,6 @@ class StepCore:
     """One live run's step state and judgement (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config, precision: Any, logger: Any, *, slow: bool = False):
-        self.cfg = cfg
         self.gcfg = cfg.guard
         self.model = model
         self.module = _capsule.unwrap(model)
@@ -199,13 +196,12 @@ class StepCore:
         rank, world = self.world()
         loss_v, norm_v, others_bad, loss_rank, weights_bad = self._read(
             norm, scaler is not None, (rank, world) if world > 1 else None, update[1] if update is not None else None)
-        lr = current_lr(optimizers)
         skipped = scaler is not None and norm_v is not None and not math.isfinite(norm_v)
         # a skip is judged by the trajectory of the loss scale (warm-up back-off or a collapse)
         scale = float(scaler.get_scale()) if skipped else None
         finite = (loss_v is None or math.isfinite(loss_v)) and (norm_v is None or math.isfinite(norm_v) or skipped)
-        record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=lr, update_ratio=None, finite=finite,
-                            skipped=skipped, scale=scale, epoch=position.epoch if position else None,
+        record = StepRecord(step=step, loss=loss_v, grad_norm=norm_v, lr=current_lr(optimizers), update_ratio=None,
+                            finite=finite, skipped=skipped, scale=scale, epoch=position.epoch if position else None,
                             index=position.index if position else None)
         if world > 1:   # each rank's own loss: a rank alone must not decide (its capsule write would be collective)
             self.judge.slow = None
@@ -228,9 +224,8 @@ class StepCore:
             self.updates.read(update[0], not weights_bad)
         if weights_bad:   # the last checked update made weights non-finite: that step is the bad one
             verdict.update_born = (update[0], update[2])
-            return verdict
-        unread = self.updates.unread() if status is not Status.FINITE else None
-        if unread is not None and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
+        elif status is not Status.FINITE and (unread := self.updates.unread()) is not None \
+                and not weights_finite(self.model):   # rare path: every rank is here (flags reduced)
             verdict.update_born = (unread, self._update_optimizers or optimizers)
         return verdict
 
@@ -251,11 +246,9 @@ class StepCore:
                     self.history[-1] = dataclasses.replace(self.history[-1], update_ratio=ratio[-1][1])
             if self.monitor is not None:
                 self.monitor.pre_sample(r.step)
-            if monitored and self.curves is not None:
-                values = curves_at(self.monitor.trend, r.step)
+            if monitored and self.curves is not None and (values := curves_at(self.monitor.trend, r.step)):
                 try:
-                    if values:
-                        self.curves(r.step, values)
+                    self.curves(r.step, values)
                 except Exception:  # noqa: BLE001 - a logger's failure never stops training
                     self.logger.debug("logging the precursor curves failed", exc_info=True)
             self.consecutive = 0
@@ -371,40 +364,36 @@ class StepCore:
         ``tolist`` (few ops: each costs microseconds)."""
         losses = self.losses
         given = None if norm is None or isinstance(norm, torch.Tensor) else float(norm)   # the caller's number
-        norm_t = norm if isinstance(norm, torch.Tensor) else None
         scales = [s for _, s in losses if isinstance(s, torch.Tensor)]
-        parts: list[torch.Tensor] = [t for t, _ in losses] + scales
-        if norm_t is not None:
-            parts.append(norm_t.detach())
+        at = len(losses) + len(scales)   # where a tensor norm is
+        parts = [t for t, _ in losses] + scales + ([norm.detach()] if isinstance(norm, torch.Tensor) else [])
         if weights is not None and not dist:
             parts.append(weights)
-        if not parts:
-            if not dist:
-                return None, given, False, None, False
-            stacked = self._reduce_flag(None, given, scaler_active, dist, weights)
-        else:
-            device = parts[0].device
-            if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
-                parts = [t.float().reshape(()).to(device) for t in parts]
-            stacked = torch.stack(parts)
-            if dist:
-                nv = stacked[len(losses) + len(scales)] if norm_t is not None else given
-                stacked = torch.cat([stacked, self._reduce_flag(device, nv, scaler_active, dist, weights)])
+        if not parts and not dist:
+            return None, given, False, None, False
+        device = parts[0].device if parts else torch.device("cuda", torch.cuda.current_device()) \
+            if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        if any(t.dtype != torch.float32 or t.device != device or t.dim() for t in parts):
+            parts = [t.float().reshape(()).to(device) for t in parts]
+        stacked = torch.stack(parts) if parts else torch.zeros(0, device=device)
+        if dist:
+            nv = stacked[at] if isinstance(norm, torch.Tensor) else given
+            stacked = torch.cat([stacked, self._reduce_flag(device, nv, scaler_active, dist, weights)])
         values = stacked.tolist()   # the one device sync
         loss_v = None
-        it = iter(values[len(losses):len(losses) + len(scales)])
+        it = iter(values[len(losses):at])
         for (_, scale), v in zip(losses, values):   # float32 sums as torch adds them, exactly (see _f32)
             if scale is not None:
                 v = _f32(v / (next(it) if isinstance(scale, torch.Tensor) else scale))
             loss_v = v if loss_v is None else _f32(loss_v + v)
-        norm_v = values[len(losses) + len(scales)] if norm_t is not None else given
+        norm_v = values[at] if isinstance(norm, torch.Tensor) else given
         if not dist:
             return loss_v, norm_v, False, None, weights is not None and not math.isfinite(values[-1])
         # the first rank whose loss was non-finite is coded ``world - rank`` (0: none)
         loss_rank = dist[1] - int(values[-2]) if values[-2] > 0 else None
         return loss_v, norm_v, bool(values[-3] > 0), loss_rank, bool(values[-1] > 0)
 
-    def _reduce_flag(self, device: torch.device | None, nv: torch.Tensor | float | None, scaler_active: bool,
+    def _reduce_flag(self, device: torch.device, nv: torch.Tensor | float | None, scaler_active: bool,
                      dist: tuple[int, int], weights: torch.Tensor | None) -> torch.Tensor:
         """[bad, first non-finite loss, weights], all-reduced (MAX) over the default group: every rank skips
         the step any rank saw (a non-finite loss or gradient, a spike), learns the lowest rank whose own
@@ -412,10 +401,6 @@ class StepCore:
         through the gradient reduction, and whether the last update made any rank's weights non-finite
         (``weights``: this rank's weights flag). Plain tensors on ``device`` (never DTensors: a DTensor
         norm is reduced over its own mesh first)."""
-        if device is None:
-            device = nv.device if isinstance(nv, torch.Tensor) else (
-                torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl"
-                else torch.device("cpu"))
         t_loss, t_norm = self.thresholds()
         rank, world = dist
         bad = loss_bad = weights_bad = torch.zeros((), dtype=torch.bool, device=device)

@@ -313,11 +313,9 @@ class Guard(Adapter):
             return self._bad(v, scaler, max_grad_norm)
         self.core.passed(v, self.optimizers, scaler)
         self._apply(scaler)   # a GradScaler skip: the scaler skips this update and lowers its scale
-        if v.record.skipped:
-            return False
-        if not self._deferred:   # a closure optimizer updates after this returns: _closure_step queues it
+        if not v.record.skipped and not self._deferred:   # a closure optimizer updates later: _closure_step queues it
             self.core.applied(step, self.optimizers)
-        return True
+        return not v.record.skipped
 
     def _update_born(self, step: int, optimizers: list[torch.optim.Optimizer], rank: int, world: int) -> None:
         """The update of step ``step`` made weights non-finite (seen in this check's sync): log it as that
@@ -338,13 +336,24 @@ class Guard(Adapter):
             raise GuardTripped(event, "the weights are non-finite")
 
     def _bad(self, v: Verdict, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None) -> bool:
-        policy = self.cfg.policy
-        corrupt = self.core.caught(v, policy)
-        step, r = v.record.step, v.record
-        path, note = (None, None) if corrupt else self._write_capsule(v, scaler, max_grad_norm)
+        policy, core, step, r = self.cfg.policy, self.core, v.record.step, v.record
+        corrupt = core.caught(v, policy)
+        path = note = None
+        if not corrupt and not _capsule.no_room(self.capsules, self.cfg.max_capsules):   # before copying RNG states
+            micro_rng = [dict(state) for state in core.rng_after] or [capture_rng(core.device_type)]
+            if "python" not in micro_rng[0]:   # not copied at step start: the step does not draw from them
+                host = capture_rng("cpu", host=True)
+                for state in micro_rng:
+                    state.update({k: val for k, val in host.items() if k in ("python", "numpy")})
+            path, note = core.write_capsule(v, self.capsule_dir, self.capsules, optimizers=self.optimizers,
+                                            may_delete=self._own_capsule, schedulers=self.schedulers,
+                                            scalers=[scaler] if scaler is not None else [],
+                                            micro_batches=core.items or None, rng=micro_rng[0], micro_rng=micro_rng,
+                                            precision=self.precision, entry=self.entry, max_grad_norm=max_grad_norm,
+                                            grad_scaler=scaler is not None)
         command = _capsule.replay_command(self.entry, path) if path else \
             at_command(self.entry, max(step - 1, 0)) if corrupt else None
-        why = self.core.stop_reason(policy, corrupt)
+        why = core.stop_reason(policy, corrupt)
         if policy == "record":
             self._apply(scaler)
             applied, action = True, "recorded"
@@ -359,7 +368,7 @@ class Guard(Adapter):
                            loss=r.loss, grad_norm=r.grad_norm)
         self.events.append(event)
         # StepRecord.skipped means "GradScaler skipped"; a guard skip shows as finite=False / a spike
-        self.core.history.append(r)
+        core.history.append(r)
         who = f"rank {v.rank}: " if v.world > 1 else ""
         verb = {"skipped": "update skipped", "recorded": "update applied (policy record)",
                 "raised": "update skipped, stopping"}[action]
@@ -368,22 +377,6 @@ class Guard(Adapter):
         if action == "raised":
             raise GuardTripped(event, why)
         return applied
-
-    def _write_capsule(self, v: Verdict, scaler: torch.amp.GradScaler | None,
-                       max_grad_norm: float | None) -> tuple[Path | None, str | None]:
-        core = self.core
-        if _capsule.no_room(self.capsules, self.cfg.max_capsules):   # before copying any RNG state
-            return None, None
-        micro_rng = [dict(r) for r in core.rng_after] or [capture_rng(core.device_type)]
-        if "python" not in micro_rng[0]:   # not copied at step start: the step does not draw from them (rng_states)
-            host = capture_rng("cpu", host=True)
-            for r in micro_rng:
-                r.update({k: val for k, val in host.items() if k in ("python", "numpy")})
-        return core.write_capsule(v, self.capsule_dir, self.capsules, optimizers=self.optimizers,
-                                  may_delete=self._own_capsule, schedulers=self.schedulers,
-                                  scalers=[scaler] if scaler is not None else [], micro_batches=core.items or None,
-                                  rng=micro_rng[0], micro_rng=micro_rng, precision=self.precision, entry=self.entry,
-                                  max_grad_norm=max_grad_norm, grad_scaler=scaler is not None)
 
     def _own_capsule(self, path: Path) -> bool:
         """A file the guard may delete: in its capsule folder, named as nanprobe names capsules, and a

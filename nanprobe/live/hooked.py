@@ -5,7 +5,7 @@ step through hooks and feeds them to the step core (:mod:`nanprobe.live.core`): 
 per micro-batch, :meth:`HookedGuard.note_loss` per backward, :meth:`HookedGuard.check` before the update.
 A bad step's state before it is copied and its capsule written there, and the caller skips the update
 (:func:`skip_update`: gradients set to None make ``optimizer.step()`` change nothing). After the framework
-finished the step (:meth:`HookedGuard.finish`) the bad step is diagnosed in-process with the framework's
+finished the step (:meth:`HookedGuard.conclude`) the bad step is diagnosed in-process with the framework's
 own step as a ``step_fn`` (:func:`nanprobe.pipeline.diagnose.diagnose_target`: the instrumented rerun, the
 precision comparison, verified fixes, the fidelity check); the framework's state after its step
 (scheduler, GradScaler, RNG) is put back afterwards, so training goes on exactly as the framework left
@@ -22,7 +22,6 @@ import datetime as _dt
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ from .core import Adapter, StepCore, Verdict, at_command, check_guard_config, cu
 from .events import POLICIES, HookEvent, Stopped, check_policy
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Pending:
     """A bad step caught by check(), waiting for the framework to finish its step."""
 
@@ -60,9 +59,7 @@ class Pending:
     rank: int
     world: int
     before: Snapshot | None = None    # None: this bad step is not diagnosed in-process (max_reports)
-    items: list[Any] = dataclasses.field(default_factory=list)
-    rng_after: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    position: Position | None = None
+    recorded: Recorded | None = None  # its micro-batches, the RNG after each, its place in the epoch
     capsule: Path | None = None
     capsule_note: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)   # added to the JSON report
@@ -139,7 +136,7 @@ class HookedGuard(Adapter):
 
     def final_check(self) -> bool:
         """Training ended: the last checked update's weights flag (one sync). True when that update made
-        weights non-finite: it is then the pending bad step (finish it)."""
+        weights non-finite: it is then the pending bad step (conclude it)."""
         if self.busy:
             self.core._update = None
             return False
@@ -159,7 +156,7 @@ class HookedGuard(Adapter):
               max_grad_norm: float | None = None) -> bool:
         """Judge the step before its update (:meth:`StepCore.check`). ``scaler``: the loop's enabled
         GradScaler, if any. Returns True when the update must be skipped (the caller calls
-        :func:`skip_update`); a bad step is then pending until :meth:`finish`. The step's capture ends here
+        :func:`skip_update`); a bad step is then pending until :meth:`conclude`. The step's capture ends here
         (the next :meth:`micro` starts the next step)."""
         if self.busy:
             return False
@@ -169,7 +166,7 @@ class HookedGuard(Adapter):
             core.reset()
             return False
         try:
-            # a step whose finish() never came (the framework raised meanwhile)
+            # a step whose conclude() never came (the framework raised meanwhile)
             if self.pending is not None and self.pending.before is not None:
                 self.pending.before.release()
             self.pending = None
@@ -264,15 +261,17 @@ class HookedGuard(Adapter):
                                             entry=self.entry, position=pos, form=target.form, **settings)
         default = "slow divergence" if settings is None else "bad step"
         self.pending = Pending(step=v.record.step, status=v.status, reason=v.reason or default, local=v.local,
-                               record=v.record, history=list(core.history), loop=loop, before=before, items=items,
-                               rng_after=rng_after, position=position, capsule=path, capsule_note=note,
+                               record=v.record, history=list(core.history), loop=loop, before=before,
+                               recorded=Recorded(step=v.record.step, items=items, rng_after=rng_after,
+                                                 position=position), capsule=path, capsule_note=note,
                                corrupt=corrupt, rank=v.rank, world=v.world, undiagnosed=undiagnosed)
 
     # -- after the framework's step: diagnose ---------------------------------------------------------
 
-    def finish(self, extra: Mapping[str, Any] | None = None) -> HookEvent | None:
-        """The framework finished the step: diagnose a pending bad step, write its report, say what
-        happens next. Returns the event (None for a good step)."""
+    def conclude(self, extra: Mapping[str, Any] | None = None) -> HookEvent | None:
+        """The framework finished the step: diagnose a pending bad step, write its report, log the one line
+        and return the event (None for a good step). Under policy ``raise`` :class:`Stopped` is raised here
+        (policy ``stop`` is the caller's to carry out: its framework's way of stopping)."""
         p, self.pending = self.pending, None
         if p is None:
             return None
@@ -301,17 +300,9 @@ class HookedGuard(Adapter):
                           grad_norm=p.record.grad_norm, diagnosis_error=error, why=why,
                           skipped=self.can_skip)
         self.events.append(event)
-        return event
-
-    def conclude(self, extra: Mapping[str, Any] | None = None) -> HookEvent | None:
-        """:meth:`finish`, then the one line logged; under policy ``raise`` :class:`Stopped` is raised
-        here (policy ``stop`` is the caller's to carry out: its framework's way of stopping)."""
-        event = self.finish(extra)
-        if event is None:
-            return None
         self.logger.warning(event.line(self.who))
-        if event.action == "raised":
-            raise Stopped(event, event.why or "")
+        if action == "raised":
+            raise Stopped(event, why)
         return event
 
     def _diagnose(self, p: Pending) -> Report:
@@ -325,11 +316,9 @@ class HookedGuard(Adapter):
         self.busy = True
         try:
             how = f"{self.who} in the training process: the live state before step {p.step}"
-            reached = Reached(step=p.step, recorded=Recorded(step=p.step, items=p.items, rng_after=p.rng_after,
-                                                             position=p.position),
-                              snapshot=p.before, loop=loop, precision=loop.precision, status=p.status,
-                              reason=p.reason, record=p.compare or p.record, history=p.history, reached_by=how,
-                              compiled=_capsule.compiled_graphs() > 0,
+            reached = Reached(step=p.step, recorded=p.recorded, snapshot=p.before, loop=loop, precision=loop.precision,
+                              status=p.status, reason=p.reason, record=p.compare or p.record, history=p.history,
+                              reached_by=how, compiled=_capsule.compiled_graphs() > 0,
                               trend=self.core.monitor.trend if self.core.monitor is not None else None,
                               breakaway=self.core.judge.breakaway if p.status is Status.DIVERGING else None,
                               **scheduler_info(target))
