@@ -45,19 +45,12 @@ from .events import POLICIES, HookEvent, Stopped, check_policy
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
-class Pending:
-    """A bad step caught by check(), waiting for the framework to finish its step."""
+class Pending(Verdict):
+    """The verdict on a bad step caught by check(), waiting for the framework to finish its step."""
 
-    step: int
-    status: Status
-    reason: str
-    local: bool
-    record: StepRecord
     history: list[StepRecord]
     loop: Loop | None                 # None: weights an applied update made non-finite (never rerun)
     corrupt: bool
-    rank: int
-    world: int
     before: Snapshot | None = None    # None: this bad step is not diagnosed in-process (max_reports)
     recorded: Recorded | None = None  # its micro-batches, the RNG after each, its place in the epoch
     capsule: Path | None = None
@@ -66,6 +59,7 @@ class Pending:
     compare: StepRecord | None = None   # what the reruns must reproduce, where it differs from ``record``
     undiagnosed: str | None = None      # why this bad step gets no in-process diagnosis (``before`` is None)
     report: Report | None = None        # made without a rerun (weights an applied update made non-finite)
+    step = property(lambda self: self.record.step)
 
 
 class HookedGuard(Adapter):
@@ -143,11 +137,9 @@ class HookedGuard(Adapter):
         born = self.core.final_update()
         if born is None:
             return False
-        step, optimizers = born
-        rank, world = self.core.world()
-        record = StepRecord(step=step, loss=None, grad_norm=None, lr=current_lr(optimizers), update_ratio=None,
+        record = StepRecord(step=born[0], loss=None, grad_norm=None, lr=current_lr(born[1]), update_ratio=None,
                             finite=False)
-        return self._update_born(step, record, rank, world, optimizers)
+        return self._update_born(born[0], record, *self.core.world(), born[1])
 
     # -- the check ------------------------------------------------------------------------------------
 
@@ -206,7 +198,7 @@ class HookedGuard(Adapter):
         if rows and self.reports < self.max_reports:
             self.reports += 1
             report = self._update_report(upd, step, since)
-        self.pending = Pending(step=step, status=Status.NONFINITE, reason=reason, local=bool(rows), record=record,
+        self.pending = Pending(status=Status.NONFINITE, reason=reason, local=bool(rows), record=record,
                                history=list(self.history), loop=None, corrupt=True, rank=rank, world=world,
                                report=report)
         self.history.append(record)
@@ -260,7 +252,7 @@ class HookedGuard(Adapter):
                                             rng=rng, micro_rng=rng_after, precision=target.precision,
                                             entry=self.entry, position=pos, form=target.form, **settings)
         default = "slow divergence" if settings is None else "bad step"
-        self.pending = Pending(step=v.record.step, status=v.status, reason=v.reason or default, local=v.local,
+        self.pending = Pending(status=v.status, reason=v.reason or default, local=v.local,
                                record=v.record, history=list(core.history), loop=loop, before=before,
                                recorded=Recorded(step=v.record.step, items=items, rng_after=rng_after,
                                                  position=position), capsule=path, capsule_note=note,
