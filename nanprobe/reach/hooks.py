@@ -45,7 +45,7 @@ class ScriptHooks:
         self.optimizer: torch.optim.Optimizer | None = None   # the guarded one: the first that steps
         self._only = optimizers
         self._scaled = False                 # GradScaler.scale ran since the last backward: it backpropagates that
-        self._in_scaler_step = False         # inside GradScaler.step: the optimizer step is its
+        self.scaler: torch.amp.GradScaler | None = None   # the GradScaler whose step (of the guarded one) runs now
         self.scaler_seen: torch.amp.GradScaler | None = None   # the GradScaler the script scales its loss with
         self._patches: list[Patch] = []
         self._hooks: list[Any] = []
@@ -73,7 +73,7 @@ class ScriptHooks:
         """The script clipped its gradients: their norm before clipping (``max_norm`` as the script passed it)."""
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-        """GradScaler.step of the guarded optimizer is about to run."""
+        """GradScaler.step of the guarded optimizer is about to run (``self.scaler`` is set until it returns)."""
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step() of the guarded optimizer is about to run (not inside GradScaler.step)."""
@@ -114,13 +114,13 @@ class ScriptHooks:
             for opt in self._only or ():
                 self._hooks.append(opt.register_step_pre_hook(self._opt_pre))
                 self._hooks.append(opt.register_step_post_hook(self._opt_post))
-            self._patches.append(Patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-            self._patches.append(Patch(torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)))
-            self._patches.append(Patch(torch.amp.GradScaler, "step",
-                                       self._wrap_scaler_step(torch.amp.GradScaler.step)))
             clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
-            self._patches.append(Patch(torch.nn.utils, "clip_grad_norm_", clip))
-            self._patches.append(Patch(torch.nn.utils.clip_grad, "clip_grad_norm_", clip))
+            for obj, name, value in ((torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)),
+                                     (torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)),
+                                     (torch.amp.GradScaler, "step", self._wrap_scaler_step(torch.amp.GradScaler.step)),
+                                     (torch.nn.utils, "clip_grad_norm_", clip),
+                                     (torch.nn.utils.clip_grad, "clip_grad_norm_", clip)):
+                self._patches.append(Patch(obj, name, value))
             self._patches.extend(self.extra_patches())
         except BaseException:
             self.uninstall()
@@ -132,6 +132,13 @@ class ScriptHooks:
         for h in self._hooks:
             h.remove()
         self._patches, self._hooks = [], []
+
+    def __enter__(self) -> ScriptHooks:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
 
     # -- the script's calls -----------------------------------------------------------------------------
 
@@ -177,12 +184,12 @@ class ScriptHooks:
         def step(scaler, optimizer, *args, **kwargs):
             if not (self.active() and scaler.is_enabled() and "closure" not in kwargs and self.guards(optimizer)):
                 return original(scaler, optimizer, *args, **kwargs)
-            self.before_scaler_step(scaler, optimizer)
-            self._in_scaler_step = True
+            self.scaler = scaler
             try:
+                self.before_scaler_step(scaler, optimizer)
                 out = original(scaler, optimizer, *args, **kwargs)
             finally:
-                self._in_scaler_step = False
+                self.scaler = None
             self.step_done(optimizer)   # also when the scaler skipped optimizer.step(): the script's step is over
             return out
         return step
@@ -190,7 +197,7 @@ class ScriptHooks:
     def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not self.active() or not self.guards(opt):
             return None
-        if self._in_scaler_step:   # seen in GradScaler.step already
+        if self.scaler is not None:   # seen in GradScaler.step already
             self.update_begins(opt)
             return None
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, closure)
@@ -217,7 +224,7 @@ class ScriptHooks:
         return (args[0], guarded, *args[2:]), kwargs
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.active() and not self._in_scaler_step and self.guards(opt, adopt=False):
+        if self.active() and self.scaler is None and self.guards(opt, adopt=False):
             self.step_done(opt)
 
 

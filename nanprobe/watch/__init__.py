@@ -1,7 +1,7 @@
 """`nanprobe watch -- python train.py ARGS`: an unmodified script under the guard, through PyTorch's global hooks.
 
 The script runs in this process (``runpy``, ``sys.argv`` as it would see it), its output and exit
-code untouched. While it runs (:mod:`.hooks`, :mod:`.watcher`):
+code untouched. While it runs (:mod:`.watcher`):
 
 * the first optimizer that steps is the guarded one; its steps are the step numbers (0, 1, ...);
 * during the first step, global module forward hooks find the *root module*: the outermost module

@@ -5,6 +5,8 @@ then the script stopped."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -20,7 +22,7 @@ from ..base.report import Phase
 from ..base.sharding import weights_finite
 from ..reach.step import Loop
 from ..reach.hooks import ScriptHooks, unscale_ready
-from .hooks import forward_target
+from .watcher import forward_target
 from ..reach.forward import autocast_dtype, batch_of, device_of_module, params_module
 
 
@@ -137,10 +139,7 @@ class StepHooks(ScriptHooks):
         self.measured = False
         self.done = False
         self._micro = 0
-        self._arm_hook: Any = None
-        self._outside_hooks: list[Any] = []
-        self._anomaly: Any = None
-        self._stance: Any = None
+        self._armed = contextlib.ExitStack()   # what arming installs (hooks, anomaly mode, the tracker): undone at once
         self.compiled = False                     # the script ran torch.compile'd code before step N
         self.arm_error: Exception | None = None   # instrumenting step N failed (a bug in nanprobe)
 
@@ -156,18 +155,18 @@ class StepHooks(ScriptHooks):
 
     # -- install / remove --
     def __enter__(self) -> StepHooks:
-        self.install()
+        super().__enter__()
         if self.at == 0:
             self._wait()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._disarm()
-        self.uninstall()
+        self._armed.close()
+        super().__exit__()
 
     # -- arming at step N's first root forward --
     def _wait(self) -> None:
-        self._arm_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_pre)
+        self._armed.callback(torch.nn.modules.module.register_module_forward_pre_hook(self._module_pre).remove)
 
     def _module_pre(self, module: torch.nn.Module, args: tuple) -> None:
         if self.done or not torch.is_grad_enabled():
@@ -200,7 +199,7 @@ class StepHooks(ScriptHooks):
 
     def _stop(self) -> None:
         self.done = True
-        self._disarm()
+        self._armed.close()
 
     def _instrument(self, root: torch.nn.Module, args: tuple) -> None:
         self.root = root   # the module called (DDP, torch.compile's wrapper); names come from the one inside
@@ -215,35 +214,18 @@ class StepHooks(ScriptHooks):
             (p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)), torch.float16)
         self.tracker = _LiveTracker(model, [opt] if opt is not None else [], low_dtype=low,
                                     batch_size=_batch_size(args))
-        self._anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False)   # each node's forward line
+        self._armed.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))   # each node's forward line
         self.compiled = compiled_graphs() > 0
         if self.compiled:   # torch.compile'd code runs eagerly in step N: its ops are checked one by one
-            try:
-                self._stance = torch.compiler.set_stance("force_eager")
-            except Exception:  # noqa: BLE001 - e.g. called inside a compiled region: the ops stay unseen
-                self._stance = None
-        self.tracker.__enter__()
+            with contextlib.suppress(Exception):   # e.g. called inside a compiled region: the ops stay unseen
+                self._armed.enter_context(torch.compiler.set_stance("force_eager"))
+        self._armed.enter_context(self.tracker)
         self.tracker.set_phase(Phase.FORWARD)
         self.tracker._pre_hook(root, args)   # this call: the tracker's own hook came after it started
         mm = torch.nn.modules.module
-        self._outside_hooks = [mm.register_module_forward_pre_hook(self.tracker.outside_pre),
-                               mm.register_module_forward_hook(self.tracker.outside_post, always_call=True)]
-
-    def _disarm(self) -> None:
-        if self._arm_hook is not None:
-            self._arm_hook.remove()
-            self._arm_hook = None
-        for h in self._outside_hooks:
-            h.remove()
-        self._outside_hooks = []
-        if self.tracker is not None and self.tracker._modes:
-            self.tracker.__exit__(None, None, None)
-        if self._anomaly is not None:
-            self._anomaly.__exit__(None, None, None)
-            self._anomaly = None
-        if self._stance is not None:
-            self._stance.__exit__(None, None, None)
-            self._stance = None
+        for h in (mm.register_module_forward_pre_hook(self.tracker.outside_pre),
+                  mm.register_module_forward_hook(self.tracker.outside_post, always_call=True)):
+            self._armed.callback(h.remove)
 
     # -- the script's calls --
     def on_loss(self, loss: torch.Tensor) -> None:
@@ -259,10 +241,7 @@ class StepHooks(ScriptHooks):
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         if self.steps == self.at or self.steps in self.skipped:
             unscale_ready(scaler, optimizer)   # as watch does: the check sees unscaled gradients
-        if self.steps in self.skipped:
-            skip_update([optimizer], scaler)
-        if self.armed:
-            self._measure(optimizer, scaler)
+        self._check(optimizer)
 
     def update_begins(self, optimizer: torch.optim.Optimizer) -> None:
         if self.armed:
@@ -277,11 +256,8 @@ class StepHooks(ScriptHooks):
 
     def closure_evaluated(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's own evaluation (watch checks it); the line search's come later."""
-        if self.steps in self.skipped:
-            skip_update([optimizer])   # watch dropped this step's gradients here: the optimizer stops
-        if self.armed:
-            self._measure(optimizer, None)
-            self._begin_update(optimizer)
+        self._check(optimizer)
+        self.update_begins(optimizer)
 
     def step_done(self, optimizer: torch.optim.Optimizer) -> None:
         step = self.steps
@@ -304,10 +280,13 @@ class StepHooks(ScriptHooks):
         if self.functional and self.armed and self.tracker.phase is Phase.BACKWARD:
             self.tracker.set_phase(Phase.FORWARD)
 
-    def _measure(self, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-        """The step's loss and gradient norm as watch's check reads them (float32 sum of the losses
+    def _check(self, opt: torch.optim.Optimizer) -> None:
+        """Where watch checks the step: an update it skipped is skipped again (its gradients dropped: the optimizer
+        stops); step N's loss and gradient norm are read as watch's check reads them (float32 sum of the losses
         backpropagated; the script's clip norm, else the global norm), not seen by the tracker."""
-        if self.measured:
+        if self.steps in self.skipped:
+            skip_update([opt], self.scaler)
+        if not self.armed or self.measured:
             return
         self.measured = True
         tr = self.tracker
@@ -318,24 +297,19 @@ class StepHooks(ScriptHooks):
             parts = [t.float().reshape(()) for t in self.losses] + ([norm.float().reshape(())] if norm is not None
                                                                      else [])
             values = torch.stack(parts).tolist() if parts else []
-            loss = None
-            for v in values[:len(self.losses)]:
-                loss = v if loss is None else _f32(loss + v)
-            self.loss = loss
+            n = len(self.losses)
+            self.loss = functools.reduce(lambda a, b: _f32(a + b), values[:n]) if n else None
             self.norm = values[-1] if norm is not None else None
             self.lr = current_lr([opt])
-            self.scaler_skipped = scaler is not None and self.norm is not None and not math.isfinite(self.norm)
-            if self.tracker.optimizers == [] and opt is not None:
-                self.tracker.optimizers = [opt]
+            self.scaler_skipped = self.scaler is not None and self.norm is not None and not math.isfinite(self.norm)
+            self.tracker.optimizers = self.tracker.optimizers or [opt]
         finally:
             tr.active = was
 
     def _begin_update(self, opt: torch.optim.Optimizer) -> None:
-        if self.tracker.phase is Phase.UPDATE:
-            return
-        if not self.tracker.optimizers:
-            self.tracker.optimizers = [opt]
-        self.tracker.set_phase(Phase.UPDATE)
+        if self.tracker.phase is not Phase.UPDATE:
+            self.tracker.optimizers = self.tracker.optimizers or [opt]
+            self.tracker.set_phase(Phase.UPDATE)
 
 
 def _batch_size(args: tuple) -> int | None:

@@ -3,6 +3,7 @@ when the first optimizer is built, and the row it writes for the parent at exit 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -21,31 +22,22 @@ def log_to_stderr(log: logging.Logger) -> logging.Handler:
     return handler
 
 
-class _Notify(logging.Handler):
-    """Calls back after each line the Watcher logs (a bad step): the bootstrap rewrites the process's row,
-    so a rank the launcher kills (SIGTERM: no ``atexit``) still shows its bad steps."""
-
-    def __init__(self, callback: Callable[[], None]):
-        super().__init__()
-        self._callback = callback
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._callback()
-        except Exception:  # noqa: BLE001 - never into the user's training
-            pass
-
-
 def start_watcher(settings: dict[str, Any], on_event: Callable[[], None] | None = None):
     """In a child process, when it builds its first optimizer: a Watcher with the parent's settings,
-    installed; its log lines go to stderr as under the CLI, then ``on_event`` is called."""
+    installed; its log lines go to stderr as under the CLI, and ``on_event`` is called with each."""
     from .watcher import Watcher
 
     log = logging.getLogger("nanprobe.watch")
     if not log.handlers:
         log_to_stderr(log)
+    # on each line the Watcher logs (a bad step) the bootstrap rewrites the process's row, so a rank the launcher
+    # kills (SIGTERM: no ``atexit``) still shows its bad steps
     if on_event is not None:
-        log.addHandler(_Notify(on_event))
+        def notify(record: logging.LogRecord) -> bool:
+            with contextlib.suppress(Exception):   # never into the user's training
+                on_event()
+            return True
+        log.addFilter(notify)
     watcher = Watcher(config=resolve_config(settings.get("config"), "nanprobe watch"),
                       policy=settings.get("policy", "skip"), dirpath=settings.get("dirpath", "nanprobe-reports"),
                       entry=settings.get("entry"), max_reports=int(settings.get("max_reports", 1)))

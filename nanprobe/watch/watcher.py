@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
 import sys
 import weakref
@@ -14,26 +15,36 @@ from typing import Any
 import torch
 
 from ..base.config import Config
+from ..base.precision import Precision
 from ..reach.feed import Position
 from ..capsule import unwrap
 from ..live.guard import POLICIES   # the guard's policies: a script has no "stop"
 from ..live import HookedGuard, HookEvent, skip_update, total_norm
+from ..live.core import distributed
 from ..live.hooked import Pending
 from ..base.report import Cause, Phase, Report, Status
 from ..base.sharding import local_value
 from ..reach.state import capture_rng
 from ..reach.hooks import Patch, ScriptHooks, unscale_ready
-from ..reach.target import Target
+from ..reach.target import Target, validate
 from ..judge.updates import update_finding, update_forensics
-from .hooks import forward_target
 from .record import at_command, record_json, write_run_record
-from ..reach.forward import (autocast_dtype, batch_of, device_of_module, find_loss, loss_outside_finding,
-                      ops_between, output_tensors, params_module)
+from ..reach.forward import (ForwardStep, autocast_dtype, batch_of, device_of_module, find_loss,
+                             loss_outside_finding, ops_between, output_tensors, params_module)
 
 
-def _multi_rank() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def forward_target(model: torch.nn.Module, opt: torch.optim.Optimizer | None, autocast: str | None, device: str,
+                   who: str, schedulers: Any = (), **more: Any) -> tuple[Target, Precision]:
+    """The root module's forward as the Target the diagnosis reruns (``watch`` and ``watch --at``): its optimizer
+    and schedulers when the optimizer updates only the module's own parameters, and the precision of its
+    autocast dtype."""
+    own = {id(q) for q in model.parameters()}
+    use_opt = opt is not None and all(id(q) in own for g in opt.param_groups for q in g["params"])
+    scheds = [s for s in list(schedulers) if use_opt and getattr(s, "optimizer", None) is opt]
+    precision = {"bfloat16": Precision.BF16, "float16": Precision.FP16}.get(autocast, Precision.FP32)
+    return validate({"model": model, "step_fn": ForwardStep(device), "batches": [],
+                     "optimizer": opt if use_opt else None, "scheduler": scheds or None, "precision": precision,
+                     **more}, who), precision
 
 
 class _RootHook:
@@ -67,14 +78,12 @@ class Watcher(ScriptHooks):
     def __init__(self, *, config: Config, policy: str, dirpath: str | os.PathLike, entry: str | None,
                  max_reports: int = 1, argv: Sequence[str] | None = None, start: dict[str, Any] | None = None):
         super().__init__()
-        self.cfg = config
+        self._guard_options = {"config": config, "policy": policy, "max_reports": max_reports}
         self.argv = list(argv) if argv is not None else None   # the watched command (python train.py ARGS)
         self.start = start                        # the script's start RNG states (written with the first report)
         self._run_path = None                     # its record for `watch --at` (nanprobe.watch.at)
         self._skipped_written = 0                 # updates skipped already written to it
         self.skipped: list[int] = []              # steps whose update the guard skipped (watch --at repeats it)
-        self.max_reports = max_reports
-        self.policy = policy
         self.dirpath = dirpath
         self.entry = entry
         self.guard: HookedGuard | None = None
@@ -84,7 +93,6 @@ class Watcher(ScriptHooks):
         self.notes: list[str] = []
         self.schedulers: weakref.WeakSet = weakref.WeakSet()
         self._module_hooks: list[Any] = []        # global, first step only
-        self._root_hooks: list[Any] = []
         self._depth = 0
         self._first: list[list[Any]] = []   # step 0's top-level calls: [module, args, kwargs, autocast, rng, loss]
         self._early_losses: list[torch.Tensor] = []   # backpropagated before the guard existed (step 0)
@@ -95,7 +103,6 @@ class Watcher(ScriptHooks):
         self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
         self._output_nodes: list[Any] = []        # grad_fn of the root's outputs in this step
         self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
-        self._scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
         self.handwritten = False                  # no optimizer: each backward is a step, checked after it
         self._optimizers_made = 0                 # torch.optim optimizers the script created
@@ -105,31 +112,20 @@ class Watcher(ScriptHooks):
         self._unseen: dict[str, tuple[str, str]] = {}    # what watch could not see: (short, full) by kind
         self._device_type = "cpu"
 
-    # -- install / remove --
-    def __enter__(self) -> Watcher:
-        """Install the hooks and patches (again after an exit: the root module found before keeps its hooks)."""
-        try:
-            if self.guard is None:
-                self._module_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._any_pre))
-                self._module_hooks.append(torch.nn.modules.module.register_module_forward_hook(self._any_post,
-                                                                                              always_call=True))
-            elif self.root is not None:
-                self._hook_root(self.root)
-            self.install()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
+    # -- install / remove (again after an exit: the root module found before keeps its hooks) --
     def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
+        super().__exit__()
         self._writers = None   # its patch is undone: found again if the hooks come back
-        for h in self._module_hooks + self._root_hooks:
-            h.remove()
-        self._module_hooks, self._root_hooks = [], []
 
     def extra_patches(self) -> list[Patch]:
         from torch.optim.lr_scheduler import LRScheduler
+        if self.guard is None:   # every module's calls, until the root is found (uninstall removes them too)
+            mm = torch.nn.modules.module
+            self._module_hooks = [mm.register_module_forward_pre_hook(self._any_pre),
+                                  mm.register_module_forward_hook(self._any_post, always_call=True)]
+            self._hooks.extend(self._module_hooks)
+        elif self.root is not None:
+            self._hook_root(self.root)
         watcher, made, made_sched = self, torch.optim.Optimizer.__init__, LRScheduler.__init__
 
         def optimizer_init(opt, *args, **kwargs):
@@ -141,11 +137,7 @@ class Watcher(ScriptHooks):
         return [Patch(LRScheduler, "__init__", sched_init), Patch(torch.optim.Optimizer, "__init__", optimizer_init)]
 
     def active(self) -> bool:
-        return not self.busy
-
-    @property
-    def busy(self) -> bool:
-        return self.guard is not None and self.guard.busy
+        return self.guard is None or not self.guard.busy
 
     # -- finding the root module in the first step --
     def _any_pre(self, module: torch.nn.Module, args: tuple) -> None:
@@ -202,14 +194,13 @@ class Watcher(ScriptHooks):
                 self._note_out(loss)
 
     def _hook_root(self, root: torch.nn.Module) -> None:
-        self._root_hooks.append(root.register_forward_pre_hook(_RootHook(self, "_root_pre"), with_kwargs=True))
-        self._root_hooks.append(root.register_forward_hook(_RootHook(self, "_root_post")))
+        self._hooks.append(root.register_forward_pre_hook(_RootHook(self, "_root_pre"), with_kwargs=True))
+        self._hooks.append(root.register_forward_hook(_RootHook(self, "_root_post")))
 
     def _make_guard(self, model: torch.nn.Module) -> None:
         self.guard = HookedGuard(command="watch", who="nanprobe watch", model=model, build_target=self._target,
-                                 config=self.cfg, policy=self.policy, dirpath=self.dirpath, entry=self.entry,
-                                 allowed=POLICIES, on_bad=self._on_bad, adjust=self._adjust,
-                                 max_reports=self.max_reports, events=self.events)
+                                 dirpath=self.dirpath, entry=self.entry, **self._guard_options, allowed=POLICIES,
+                                 on_bad=self._on_bad, adjust=self._adjust, events=self.events)
         # --at arms at the root module's forward; a functional model (no root) at the end of the step before,
         # which step 0 has not
         armable = lambda step: self.root is not None or step > 0   # noqa: E731
@@ -219,7 +210,7 @@ class Watcher(ScriptHooks):
         # one), and also where the loss is computed outside the root module, which its capsule (the root's
         # inputs) cannot compute (one process: --at does not re-execute a distributed job's ranks)
         self.guard.replay = lambda step: self.at_command(step) if (self._loss_missing or self.entry is None) \
-            and not _multi_rank() and armable(step) else None
+            and distributed()[1] <= 1 and armable(step) else None
         for loss in self._early_losses:
             self.guard.note_loss(loss)
         self._early_losses = []
@@ -248,13 +239,13 @@ class Watcher(ScriptHooks):
 
     # -- the root's calls --
     def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.busy and not self._in_closure and torch.is_grad_enabled():
+        if self.active() and not self._in_closure and torch.is_grad_enabled():
             device = self._device_type
             dtype = str(torch.get_autocast_dtype(device))[6:] if torch.is_autocast_enabled(device) else None
             self._note_call(args, kwargs, dtype)
 
     def _root_post(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
-        if not self.busy and not self._in_closure and torch.is_grad_enabled():
+        if self.active() and not self._in_closure and torch.is_grad_enabled():
             self._note_out(find_loss(out))
             # the outputs' autograd nodes (not the tensors: a step's logits must not outlive the script's use)
             self._output_nodes.extend(t.grad_fn for t in output_tensors(out) if t.grad_fn is not None)
@@ -300,11 +291,7 @@ class Watcher(ScriptHooks):
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         unscale_ready(scaler, optimizer)
-        self._scaler = scaler
-        try:
-            self._check(optimizer)
-        finally:
-            self._scaler = None
+        self._check(optimizer)
         self._checked = True
 
     # -- an update written by hand (no optimizer): each backward is a step, checked when it returns --
@@ -338,7 +325,7 @@ class Watcher(ScriptHooks):
         """The guard's check of this step; a bad one keeps the losses backpropagated in it."""
         g = self.guard
         position = Position(step=self.steps, epoch=None, index=self.steps, items=())
-        skip = g.check(self.steps, opts, norm=norm, scaler=self._scaler, position=position, max_grad_norm=max_norm)
+        skip = g.check(self.steps, opts, norm=norm, scaler=self.scaler, position=position, max_grad_norm=max_norm)
         if g.pending is not None and g.pending.step == self.steps:
             self._bad_losses = (list(self._losses), self._loss_missing or not self._losses)
         return skip
@@ -407,7 +394,7 @@ class Watcher(ScriptHooks):
             norm, max_norm = total_norm([p.grad for grp in opt.param_groups for p in grp["params"]
                                          if p.grad is not None]), None
         if self._guard_check([opt], norm, max_norm):
-            skip_update([opt], self._scaler)
+            skip_update([opt], self.scaler)
             self.skipped.append(self.steps)
 
     def step_done(self, optimizer: torch.optim.Optimizer) -> None:
@@ -423,11 +410,8 @@ class Watcher(ScriptHooks):
     def _finish(self) -> None:
         g = self.guard
         p = g.pending
-        losses, missing = self._bad_losses
-        total = None
-        for v in losses:   # a float32 sum, as the forward rerun adds the losses
-            v = v.float().reshape(())
-            total = v if total is None else total + v
+        losses, missing = self._bad_losses   # their float32 sum, as the forward rerun adds the losses
+        total = functools.reduce(operator.add, (v.float().reshape(()) for v in losses)) if losses else None
         # fidelity: the forward rerun gives the root output's loss, not what the script backpropagated
         p.compare = dataclasses.replace(p.record, loss=None if missing or total is None else float(total),
                                         grad_norm=None)
@@ -534,4 +518,4 @@ class Watcher(ScriptHooks):
                               accumulate=max(len(self.guard.core.items), 1))[0]
 
 
-__all__ = ["Watcher", "POLICIES"]
+__all__ = ["Watcher", "POLICIES", "forward_target"]
