@@ -26,6 +26,16 @@ class Patch:
         self.original = getattr(obj, name)
         setattr(obj, name, value)
 
+    @classmethod
+    def around(cls, obj: Any, name: str, method: Any) -> Patch:
+        """``obj.name`` replaced by a function (a method, on a class) that calls ``method(original, *args)``."""
+        original = getattr(obj, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            return method(original, *args, **kwargs)
+        return cls(obj, name, wrapper)
+
     def undo(self) -> None:
         setattr(self.obj, self.name, self.original)
 
@@ -114,13 +124,12 @@ class ScriptHooks:
             for opt in self._only or ():
                 self._hooks.append(opt.register_step_pre_hook(self._opt_pre))
                 self._hooks.append(opt.register_step_post_hook(self._opt_post))
-            clip = self._wrap_clip(torch.nn.utils.clip_grad_norm_)
-            for obj, name, value in ((torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)),
-                                     (torch.amp.GradScaler, "scale", self._wrap_scale(torch.amp.GradScaler.scale)),
-                                     (torch.amp.GradScaler, "step", self._wrap_scaler_step(torch.amp.GradScaler.step)),
-                                     (torch.nn.utils, "clip_grad_norm_", clip),
-                                     (torch.nn.utils.clip_grad, "clip_grad_norm_", clip)):
-                self._patches.append(Patch(obj, name, value))
+            for obj, name, method in ((torch.autograd, "backward", self._backward),
+                                      (torch.amp.GradScaler, "scale", self._scale),
+                                      (torch.amp.GradScaler, "step", self._scaler_step),
+                                      (torch.nn.utils, "clip_grad_norm_", self._clip_grad_norm),
+                                      (torch.nn.utils.clip_grad, "clip_grad_norm_", self._clip_grad_norm)):
+                self._patches.append(Patch.around(obj, name, method))
             self._patches.extend(self.extra_patches())
         except BaseException:
             self.uninstall()
@@ -142,57 +151,45 @@ class ScriptHooks:
 
     # -- the script's calls -----------------------------------------------------------------------------
 
-    def _wrap_backward(self, original):
-        @functools.wraps(original)
-        def backward(tensors, *args, **kwargs):
-            if self.listening():
-                # after GradScaler.scale, what is backpropagated is the scaled loss (maybe divided further, as in
-                # (scaler.scale(loss) / k).backward()): the loss was taken at scale
-                for t in () if self._scaled else (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
-                    if isinstance(t, torch.Tensor) and t.numel() == 1:
-                        self.on_loss(t)
-                self._scaled = False
-                self.on_backward()
-            out = original(tensors, *args, **kwargs)
-            if self.active():
-                self.after_backward()
-            return out
-        return backward
+    def _backward(self, original, tensors, *args, **kwargs):
+        if self.listening():
+            # after GradScaler.scale, what is backpropagated is the scaled loss (maybe divided further, as in
+            # (scaler.scale(loss) / k).backward()): the loss was taken at scale
+            for t in () if self._scaled else (tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+                if isinstance(t, torch.Tensor) and t.numel() == 1:
+                    self.on_loss(t)
+            self._scaled = False
+            self.on_backward()
+        out = original(tensors, *args, **kwargs)
+        if self.active():
+            self.after_backward()
+        return out
 
-    def _wrap_scale(self, original):
-        @functools.wraps(original)
-        def scale(scaler, outputs):
-            out = original(scaler, outputs)
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and self.listening():
-                self.scaler_seen = scaler
-                self._scaled = True
-                self.on_loss(outputs)
-            return out
-        return scale
+    def _scale(self, original, scaler, outputs):
+        out = original(scaler, outputs)
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and self.listening():
+            self.scaler_seen = scaler
+            self._scaled = True
+            self.on_loss(outputs)
+        return out
 
-    def _wrap_clip(self, original):
-        @functools.wraps(original)
-        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-            norm = original(parameters, max_norm, *args, **kwargs)
-            if self.listening() and isinstance(norm, torch.Tensor):
-                self.on_clip(norm.detach(), max_norm)
-            return norm
-        return clip_grad_norm_
+    def _clip_grad_norm(self, original, parameters, max_norm, *args, **kwargs):
+        norm = original(parameters, max_norm, *args, **kwargs)
+        if self.listening() and isinstance(norm, torch.Tensor):
+            self.on_clip(norm.detach(), max_norm)
+        return norm
 
-    def _wrap_scaler_step(self, original):
-        @functools.wraps(original)
-        def step(scaler, optimizer, *args, **kwargs):
-            if not (self.active() and scaler.is_enabled() and "closure" not in kwargs and self.guards(optimizer)):
-                return original(scaler, optimizer, *args, **kwargs)
-            self.scaler = scaler
-            try:
-                self.before_scaler_step(scaler, optimizer)
-                out = original(scaler, optimizer, *args, **kwargs)
-            finally:
-                self.scaler = None
-            self.step_done(optimizer)   # also when the scaler skipped optimizer.step(): the script's step is over
-            return out
-        return step
+    def _scaler_step(self, original, scaler, optimizer, *args, **kwargs):
+        if not (self.active() and scaler.is_enabled() and "closure" not in kwargs and self.guards(optimizer)):
+            return original(scaler, optimizer, *args, **kwargs)
+        self.scaler = scaler
+        try:
+            self.before_scaler_step(scaler, optimizer)
+            out = original(scaler, optimizer, *args, **kwargs)
+        finally:
+            self.scaler = None
+        self.step_done(optimizer)   # also when the scaler skipped optimizer.step(): the script's step is over
+        return out
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not self.active() or not self.guards(opt):

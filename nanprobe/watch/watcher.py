@@ -47,6 +47,12 @@ def forward_target(model: torch.nn.Module, opt: torch.optim.Optimizer | None, au
                      **more}, who), precision
 
 
+def _made(note: Any, original: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    """A class's ``__init__`` (``original``), then ``note(obj)``: the objects of a class the script makes."""
+    original(obj, *args, **kwargs)
+    note(obj)
+
+
 class _RootHook:
     """A hook the root module carries: it calls the watcher (held weakly) for the root itself only.
 
@@ -126,15 +132,11 @@ class Watcher(ScriptHooks):
             self._hooks.extend(self._module_hooks)
         elif self.root is not None:
             self._hook_root(self.root)
-        watcher, made, made_sched = self, torch.optim.Optimizer.__init__, LRScheduler.__init__
+        return [Patch.around(LRScheduler, "__init__", functools.partial(_made, self.schedulers.add)),
+                Patch.around(torch.optim.Optimizer, "__init__", functools.partial(_made, self._optimizer_made))]
 
-        def optimizer_init(opt, *args, **kwargs):
-            made(opt, *args, **kwargs)
-            watcher._optimizers_made += 1
-        def sched_init(sched, *args, **kwargs):
-            made_sched(sched, *args, **kwargs)
-            watcher.schedulers.add(sched)
-        return [Patch(LRScheduler, "__init__", sched_init), Patch(torch.optim.Optimizer, "__init__", optimizer_init)]
+    def _optimizer_made(self, opt: torch.optim.Optimizer) -> None:
+        self._optimizers_made += 1
 
     def active(self) -> bool:
         return self.guard is None or not self.guard.busy
@@ -226,12 +228,7 @@ class Watcher(ScriptHooks):
             import gc
             cls = module.SummaryWriter
             self._writers = weakref.WeakSet(o for o in gc.get_objects() if issubclass(type(o), cls))
-            original, writers = cls.__init__, self._writers
-
-            def __init__(writer, *args, **kwargs):
-                original(writer, *args, **kwargs)
-                writers.add(writer)
-            self._patches.append(Patch(cls, "__init__", __init__))
+            self._patches.append(Patch.around(cls, "__init__", functools.partial(_made, self._writers.add)))
         for writer in list(self._writers):
             if getattr(writer, "file_writer", None) is not None:   # closed: add_scalar would open it again
                 for key, value in values.items():
