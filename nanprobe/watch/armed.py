@@ -96,20 +96,18 @@ class _LiveTracker(OriginTracker):
 
 
 _aten = torch.ops.aten
-_UNDERFLOWS = frozenset({_aten._softmax.default, _aten.softmax.int, _aten.exp.default, _aten.sigmoid.default,
-                         _aten._to_copy.default})
+# the ops whose output can underflow to 0, each recomputed from its first input (in float32) and its arguments
+_UNDERFLOWS = {_aten._softmax.default: lambda x, args: torch.softmax(x, args[1]),
+               _aten.softmax.int: lambda x, args: torch.softmax(x, args[1]),
+               _aten.exp.default: lambda x, args: torch.exp(x), _aten.sigmoid.default: lambda x, args: torch.sigmoid(x),
+               _aten._to_copy.default: lambda x, args: x}   # a cast: its input
 
 
 def _in_float32(func: Any, args: tuple) -> torch.Tensor | None:
-    """What ``func`` made, recomputed in float32 from its inputs (a cast: its input)."""
-    x = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() else None
-    if x is None:
-        return None
-    if func is _aten._to_copy.default:
-        return x.float()
-    if func in (_aten._softmax.default, _aten.softmax.int):
-        return torch.softmax(x.float(), args[1])
-    return torch.exp(x.float()) if func is _aten.exp.default else torch.sigmoid(x.float())
+    """What ``func`` made, recomputed in float32 from its inputs."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        return _UNDERFLOWS[func](args[0].float(), args)
+    return None
 
 
 class StepHooks(ScriptHooks):
@@ -313,10 +311,7 @@ class StepHooks(ScriptHooks):
 
 
 def _batch_size(args: tuple) -> int | None:
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() >= 1:
-            return int(a.shape[0])
-    return None
+    return next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
 
 
 __all__ = ["StepHooks", "Done", "OUTSIDE"]

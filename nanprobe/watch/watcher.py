@@ -479,7 +479,7 @@ class Watcher(ScriptHooks):
         findings = list(report.findings)
         grads = p.extra.get("gradients", {}).get("nonfinite_modules", [])
         data_error = any(d.get("level") == "error" for d in report.extra.get("data_problems", []))
-        origin, outside = report.origin, None
+        origin = report.origin
         if origin is None:
             findings = [f for f in findings if f.cause is not Cause.NOT_REPRODUCED]
             if not loss_in_forward and not data_error:
@@ -490,14 +490,14 @@ class Watcher(ScriptHooks):
                                     "forward only, and it was finite, so the origin is in the loss or the backward "
                                     "pass; for the full diagnosis write an ENTRY with your loss_fn and run the "
                                     "replay command")
+                else:
+                    findings.insert(0, outside[0])
+                    origin = outside[1]
+                    notes.append(f"the op's source line, values and samples: {self.at_command(p.step)} re-executes "
+                                 f"the script with step {p.step} instrumented")
             if grads:
                 where = ", ".join(r["module"] or "(root)" for r in grads[:4])
                 notes.insert(0, f"non-finite gradients in {len(grads)} module(s): {where}")
-        if outside is not None:
-            findings.insert(0, outside[0])
-            origin = outside[1]
-            notes.append(f"the op's source line, values and samples: {self.at_command(p.step)} re-executes the "
-                         f"script with step {p.step} instrumented")
         upd = p.extra.get("update", {})
         if upd.get("nonfinite_parameters") and not any(f.phase is Phase.UPDATE for f in findings):
             findings.insert(0, update_finding(upd, max(p.step - 1, 0)))
