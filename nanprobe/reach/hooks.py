@@ -57,6 +57,7 @@ class ScriptHooks:
         self._scaled = False                 # GradScaler.scale ran since the last backward: it backpropagates that
         self.scaler: torch.amp.GradScaler | None = None   # the GradScaler whose step (of the guarded one) runs now
         self.scaler_seen: torch.amp.GradScaler | None = None   # the GradScaler the script scales its loss with
+        self.clip: tuple[torch.Tensor, Any] | None = None   # the script's last clip_grad_norm_: (norm before, max_norm)
         self._patches: list[Patch] = []
         self._hooks: list[Any] = []
 
@@ -81,6 +82,16 @@ class ScriptHooks:
 
     def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
         """The script clipped its gradients: their norm before clipping (``max_norm`` as the script passed it)."""
+        self.clip = (norm, max_norm)
+
+    def step_norm(self, opt: torch.optim.Optimizer) -> tuple[torch.Tensor | None, Any]:
+        """The step's gradient norm as watch checks it, and the max_norm it was clipped to: the norm the script's
+        clip_grad_norm_ returned (it costs nothing; taken once), else the global norm of ``opt``'s gradients."""
+        clip, self.clip = self.clip, None
+        if clip is not None:
+            return clip
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        return (torch.nn.utils.get_total_norm(grads) if grads else None), None
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler.step of the guarded optimizer is about to run (``self.scaler`` is set until it returns)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..capsule import compiled_graphs, unwrap
-from ..live.events import current_lr, skip_update, total_norm
+from ..live.events import current_lr, skip_update
 from ..live.core import _f32
 from ..locate.instrument import LOSS_FN, OriginTracker, Probe, _anomaly_source, _floats, _tensor_stats
 from ..base.report import Phase
@@ -126,9 +126,7 @@ class StepHooks(ScriptHooks):
         self.loop: Loop | None = None
         self.snapshot: Any = None
         self.items: list[Any] = []
-        self.autocast: str | None = None
         self.losses: list[torch.Tensor] = []
-        self.clip: torch.Tensor | None = None
         self.loss: float | None = None
         self.norm: float | None = None
         self.lr: float | None = None
@@ -202,13 +200,13 @@ class StepHooks(ScriptHooks):
     def _instrument(self, root: torch.nn.Module, args: tuple) -> None:
         self.root = root   # the module called (DDP, torch.compile's wrapper); names come from the one inside
         model = unwrap(root)
-        self.autocast = autocast_dtype(root)
-        self.items.append(batch_of(args, {}, self.autocast))
+        autocast = autocast_dtype(root)
+        self.items.append(batch_of(args, {}, autocast))
         opt = self.optimizer
-        target, precision = forward_target(model, opt, self.autocast, device_of_module(model), "nanprobe watch --at")
+        target, precision = forward_target(model, opt, autocast, device_of_module(model), "nanprobe watch --at")
         self.loop = Loop(target, "nanprobe watch --at", precision)
         self.snapshot = self.loop.objects.take()   # the state before step N (the corrupted-state rule reads it)
-        low = getattr(torch, self.autocast) if self.autocast else next(
+        low = getattr(torch, autocast) if autocast else next(
             (p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)), torch.float16)
         self.tracker = _LiveTracker(model, [opt] if opt is not None else [], low_dtype=low,
                                     batch_size=_batch_size(args))
@@ -232,9 +230,6 @@ class StepHooks(ScriptHooks):
     def on_backward(self) -> None:
         if self.tracker.phase is Phase.FORWARD:
             self.tracker.set_phase(Phase.BACKWARD)
-
-    def on_clip(self, norm: torch.Tensor, max_norm: Any) -> None:
-        self.clip = norm
 
     def before_scaler_step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         if self.steps == self.at or self.steps in self.skipped:
@@ -290,8 +285,7 @@ class StepHooks(ScriptHooks):
         tr = self.tracker
         was, tr.active = tr.active, False
         try:
-            norm = self.clip if self.clip is not None else total_norm(
-                [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])
+            norm = self.step_norm(opt)[0]
             parts = [t.float().reshape(()) for t in self.losses] + ([norm.float().reshape(())] if norm is not None
                                                                      else [])
             values = torch.stack(parts).tolist() if parts else []

@@ -109,7 +109,6 @@ class Watcher(ScriptHooks):
         self._in_closure = False                  # a closure optimizer's step, after its checked evaluation
         self._output_nodes: list[Any] = []        # grad_fn of the root's outputs in this step
         self._loss_nodes: list[Any] = []          # grad_fn of each loss backpropagated in this step
-        self._clip: tuple[torch.Tensor, float] | None = None   # the step's clip_grad_norm_: (norm before, max_norm)
         self.handwritten = False                  # no optimizer: each backward is a step, checked after it
         self._optimizers_made = 0                 # torch.optim optimizers the script created
         self._backwards = 0                       # backward passes before any optimizer stepped
@@ -280,7 +279,7 @@ class Watcher(ScriptHooks):
                 "by the loss scale; call scaler.unscale_(optimizer) before clipping. watch judged the unscaled "
                 "gradient norm instead")
             return   # that norm is not the gradients': the check computes its own
-        self._clip = (norm, float(max_norm))
+        self.clip = (norm, float(max_norm))
 
     def unseen(self) -> list[tuple[str, str]]:
         """What part of the steps watch could not see, and how to cover it: (short, full) lines."""
@@ -384,18 +383,12 @@ class Watcher(ScriptHooks):
                 "born in the loss or in its backward is located by re-executing the script (nanprobe watch --at N, "
                 "by default within watch.explain_budget); return the loss from forward to have it checked "
                 "in-process")
-        clip, self._clip = self._clip, None
-        if clip is not None:   # the script clipped: its norm is the one before clipping (and costs nothing)
-            norm, max_norm = clip
-        else:
-            norm, max_norm = total_norm([p.grad for grp in opt.param_groups for p in grp["params"]
-                                         if p.grad is not None]), None
-        if self._guard_check([opt], norm, max_norm):
+        if self._guard_check([opt], *self.step_norm(opt)):
             skip_update([opt], self.scaler)
             self.skipped.append(self.steps)
 
     def step_done(self, optimizer: torch.optim.Optimizer) -> None:
-        self._clip = None   # a clip inside the optimizer's own step (BertAdam's) came after the check: not the next's
+        self.clip = None   # a clip inside the optimizer's own step (BertAdam's) came after the check: not the next's
         self._checked = self._in_closure = False
         self._output_nodes, self._loss_nodes = [], []
         self.steps += 1
