@@ -129,12 +129,10 @@ class ScriptHooks:
     def install(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         try:
-            if self._only is None:
-                self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
-                self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
-            for opt in self._only or ():
-                self._hooks.append(opt.register_step_pre_hook(self._opt_pre))
-                self._hooks.append(opt.register_step_post_hook(self._opt_post))
+            registers = [(register_optimizer_step_pre_hook, register_optimizer_step_post_hook)] if self._only is None \
+                else [(opt.register_step_pre_hook, opt.register_step_post_hook) for opt in self._only]
+            for pre, post in registers:
+                self._hooks += [pre(self._opt_pre), post(self._opt_post)]
             for obj, name, method in ((torch.autograd, "backward", self._backward),
                                       (torch.amp.GradScaler, "scale", self._scale),
                                       (torch.amp.GradScaler, "step", self._scaler_step),

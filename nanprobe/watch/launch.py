@@ -53,12 +53,9 @@ class ProcessRow:
     own_watch: bool = False        # it ran `nanprobe watch -- python ...` itself, which reported it
 
 
-_PYTHONS = ("python", "python3")
-
-
 def is_python(exe: str) -> bool:
     """``python``, ``python3.11``, or this interpreter by another name."""
-    return os.path.basename(exe).startswith(_PYTHONS) or \
+    return os.path.basename(exe).startswith("python") or \
         os.path.realpath(shutil.which(exe) or exe) == os.path.realpath(sys.executable)
 
 

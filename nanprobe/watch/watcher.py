@@ -442,15 +442,14 @@ class Watcher(ScriptHooks):
         model = self.guard.model
         named = [(n, local_value(q.grad)) for n, q in model.named_parameters() if q.grad is not None]
         rows: dict[str, dict[str, Any]] = {}
-        if named:
-            counts = torch.stack([(~torch.isfinite(g)).sum() for _, g in named]).tolist()   # one sync
-            for (name, g), bad in zip(named, counts):
-                module = name.rpartition(".")[0]
-                row = rows.setdefault(module, {"module": module, "nonfinite": 0, "total": 0, "parameters": []})
-                row["total"] += g.numel()
-                if bad:
-                    row["nonfinite"] += int(bad)
-                    row["parameters"].append(name)
+        counts = torch.stack([(~torch.isfinite(g)).sum() for _, g in named]).tolist() if named else []   # one sync
+        for (name, g), bad in zip(named, counts):
+            module = name.rpartition(".")[0]
+            row = rows.setdefault(module, {"module": module, "nonfinite": 0, "total": 0, "parameters": []})
+            row["total"] += g.numel()
+            if bad:
+                row["nonfinite"] += int(bad)
+                row["parameters"].append(name)
         p.extra["gradients"] = {"nonfinite_modules": [r for r in rows.values() if r["nonfinite"]],
                                 "note": "non-finite gradient values per module in the live step (before it was "
                                         "skipped)"}
