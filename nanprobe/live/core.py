@@ -86,6 +86,14 @@ def current_lr(optimizers: list[torch.optim.Optimizer]) -> float | None:
     return float(lr) if isinstance(lr, (int, float)) else None
 
 
+def distributed() -> tuple[int, int]:
+    """(rank, world size) under torch.distributed, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def at_command(entry: str | None, step: int) -> str:
     """The command that diagnoses step ``step`` by replaying it (``ENTRY`` where the entrypoint is not known)."""
     return f"nanprobe run {shlex.quote(entry) if entry else 'ENTRY'} --at {step}"
@@ -175,10 +183,8 @@ class StepCore:
         self.items, self.rng_after, self.losses = [], [], []
 
     def world(self) -> tuple[int, int]:
-        dist = torch.distributed
         if self._world is None or self.checks % 100 == 1:   # is_initialized() costs ~10 us: not every step
-            self._world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
-                else (0, 1)
+            self._world = distributed()
         return self._world
 
     # -- the check ------------------------------------------------------------------------------------
