@@ -42,7 +42,7 @@ from ..base.errors import EXIT_FOUND, EXIT_OK, UsageError
 from ..base.precision import Precision, describe_device, device_of, limits, parse_precision
 from ..reach.feed import DataEnd, Stream, epoch_length, is_callable_batches
 from ..base.report import SCHEMA, Status, _num
-from ..reach.state import borrows_globals
+from ..reach.state import borrows_globals, capture_rng, set_rng
 from ..reach.target import Target
 
 _POOL_CHUNK = 256     # subsampled values a contributing batch adds to a key's reference pool
@@ -368,6 +368,26 @@ class Scanner:
                            message=f"{ks.key} holds {count} extreme value(s) (e.g. {value:g}, robust z-score "
                                    f"{c.z:.0f} vs median {median:.4g}, scale {c.scale:.3g}; limit {limit:.3g})")
 
+    def drop_num_classes(self) -> str | None:
+        """Drop an inferred ``num_classes`` that most labels of the first batch exceed, with the problems it
+        raised: it is not the number of classes (e.g. the model returns hidden states and loss_fn applies the
+        head). Returns the note that says so (None: kept)."""
+        dropped = [p for p in self.problems if p.step == 0 and p.code == "label_out_of_range"]
+        bad = sum(p.count for p in dropped)
+        labelled = sum(ks.counted - ks.ignored for ks in self.keys.values() if ks.role == LABEL)
+        if not bad or bad <= 0.01 * max(labelled, 1):
+            return None
+        for p in dropped:
+            counts = self.keys[p.key].problems
+            counts[p.code] -= 1
+            if not counts[p.code]:
+                del counts[p.code]
+        self.problems = [p for p in self.problems if p not in dropped]
+        self.total -= len(dropped)
+        width, self.num_classes = self.num_classes, None
+        return (f"the model's output width {width} is below {bad} of {labelled} labels in the first batch, so "
+                "it is not the number of classes; pass --num-classes to check label range")
+
     def finish(self) -> None:
         for ks in self.keys.values():
             if ks.candidates:
@@ -395,8 +415,7 @@ def infer_num_classes(target: Target, batch: Any) -> int | None:
         captured.append(output)
         raise _Stop
 
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    rng = capture_rng("cuda" if torch.cuda.is_initialized() else "cpu", host=False)   # (CUDA: only if in use)
     handle = model.register_forward_hook(hook)
     try:
         model.eval()
@@ -411,9 +430,7 @@ def infer_num_classes(target: Target, batch: Any) -> int | None:
         model.train(modes[0][1])
         for m, mode in modes:
             m.training = mode
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        set_rng(rng)
     if not captured:
         return None
     outs = list(iter_tensors(captured[0], "output"))
@@ -468,11 +485,8 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
         raise UsageError(f"unknown precision {precision!r}", "--precision", "Use one of: fp32, bf16, fp16") from None
     range_max = limits(prec.dtype).max if prec.low else None
     ignore_index = target.ignore_index if target.ignore_index != -100 else scfg.ignore_index
-    source = None
-    if num_classes is not None:
-        source = "--num-classes"
-    elif target.num_classes is not None:
-        num_classes, source = target.num_classes, "target"
+    source = "--num-classes" if num_classes is not None else "target" if target.num_classes is not None else None
+    num_classes = num_classes if num_classes is not None else target.num_classes
     notes: list[str] = []
     is_callable = is_callable_batches(target.batches)
     per_epoch = epoch_length(target.batches)
@@ -487,12 +501,11 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
     stream = Stream(target, record=False)
     scanner = Scanner(scfg, ignore_index=ignore_index, num_classes=num_classes, range_max=range_max)
     device = None
-    scanned = 0
     draws = False           # does fetching a batch draw from the global torch RNG?
 
     def fetch(get: Callable[[], Any], counts: Callable[[Any], bool] = lambda got: True) -> Any:
         nonlocal draws
-        rng_before = torch.get_rng_state() if not draws and scanned < 64 else None
+        rng_before = torch.get_rng_state() if not draws and scanner.batches < 64 else None
         got = get()
         if rng_before is not None and got is not None and counts(got) \
                 and not torch.equal(rng_before, torch.get_rng_state()):
@@ -514,27 +527,25 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
                 yield feed.step, j, batch
 
     for k, j, batch in itertools.islice(batches(), limit):
-        if scanned == 0:
+        first = scanner.batches == 0
+        if first:
             device = next((t.device for _, t in iter_tensors(batch)), None)
-            if num_classes is None and scfg.infer_num_classes \
+            if scanner.num_classes is None and scfg.infer_num_classes \
                     and any(leaf.role == LABEL for leaf in leaves(batch)) \
                     and sum(p.numel() for p in target.model.parameters()) <= scfg.infer_max_params:
                 inferred = infer_num_classes(target, batch)
                 if inferred is not None:
-                    num_classes, source = inferred, "model output width"
-                    scanner.num_classes = inferred
+                    scanner.num_classes, source = inferred, "model output width"
         before = len(scanner.problems)
         scanner.add(k, batch)
         if target.accumulate > 1:
             scanner.problems[before:] = [dataclasses.replace(p, micro=j) if p.step == k and p.micro is None
                                          else p for p in scanner.problems[before:]]
-        if scanned == 0 and source == "model output width":
-            _check_inferred(scanner, notes)
-            if scanner.num_classes is None:
-                num_classes = source = None
-        scanned += 1
+        if first and source == "model output width" and (dropped := scanner.drop_num_classes()):
+            notes.append(dropped)
+            source = None
         if on_progress is not None:
-            on_progress(scanned, total, scanner.total)
+            on_progress(scanner.batches, total, scanner.total)
     if stream.end_note and is_callable:
         notes.append(stream.end_note)
     if draws:
@@ -547,17 +558,17 @@ def scan_data(entry_or_loaded: str | Loaded | Target, *, limit: int | None = Non
                      "scan-data does not train, so their batch order can differ from training (nanprobe run "
                      "replays the exact order)")
     # at the limit, a sized iterable may still have been read to its end (all batches of all epochs)
-    complete = limit is None or scanned < limit \
-        or (not is_callable and per_epoch is not None and per_epoch * target.epochs <= scanned)
+    complete = limit is None or scanner.batches < limit \
+        or (not is_callable and per_epoch is not None and per_epoch * target.epochs <= scanner.batches)
     scanner.finish()
-    if scanned == 0:
+    if scanner.batches == 0:
         raise UsageError("batches yielded no batch: nothing was checked", loaded.where,
                          "Give the target at least one batch")
     device = device or device_of(target.model)
     return ScanResult(entry=loaded.entry, device=describe_device(device), precision=prec.value,
-                      batches_scanned=scanned, complete=complete, problems=tuple(scanner.problems),
+                      batches_scanned=scanner.batches, complete=complete, problems=tuple(scanner.problems),
                       problems_total=scanner.total, summary=tuple(k.summary() for k in scanner.keys.values()),
-                      num_classes=num_classes, num_classes_source=source, ignore_index=ignore_index,
+                      num_classes=scanner.num_classes, num_classes_source=source, ignore_index=ignore_index,
                       range_max=range_max, notes=tuple(notes))
 
 
@@ -565,23 +576,3 @@ def _shuffles_from_global_rng(batches: Any) -> bool:
     """A DataLoader whose order (sampler seed) or worker seeds come from the global torch RNG."""
     samplers = (getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
     return any(type(smp).__name__ == "RandomSampler" and getattr(smp, "generator", None) is None for smp in samplers)
-
-
-def _check_inferred(scanner: Scanner, notes: list[str]) -> None:
-    """An output width that most labels of the first batch exceed is not the number of classes
-    (e.g. the model returns hidden states and loss_fn applies the head): drop it."""
-    dropped = [p for p in scanner.problems if p.step == 0 and p.code == "label_out_of_range"]
-    bad = sum(p.count for p in dropped)
-    labelled = sum(ks.counted - ks.ignored for ks in scanner.keys.values() if ks.role == LABEL)
-    if bad and bad > 0.01 * max(labelled, 1):
-        width = scanner.num_classes
-        for p in dropped:   # withdrawn with the width
-            counts = scanner.keys[p.key].problems
-            counts[p.code] -= 1
-            if not counts[p.code]:
-                del counts[p.code]
-        scanner.problems = [p for p in scanner.problems if not (p.step == 0 and p.code == "label_out_of_range")]
-        scanner.total -= len(dropped)
-        scanner.num_classes = None
-        notes.append(f"the model's output width {width} is below {bad} of {labelled} labels in the first batch, so "
-                     "it is not the number of classes; pass --num-classes to check label range")
