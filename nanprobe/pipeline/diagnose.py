@@ -115,7 +115,7 @@ def diagnose_target(loaded: Loaded, *, at: int | None = None, precision: str | P
     """
     cfg = config or load_config()
     target: Target = loaded.target
-    prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
+    prec = parse_precision(precision, default=target.precision)
     check_precision(target, prec)
     device = device_of(target.model)
     progress = on_progress or (lambda msg: None)

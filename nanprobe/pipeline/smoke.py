@@ -47,7 +47,6 @@ class SmokeResult:
     steps: int                # asked for
     steps_run: int            # trained (the bad step included)
     report: Report            # the diagnosis of the first bad step, or a healthy report
-    checks: tuple[Check, ...]
     capsule: str | None = None
     command: str | None = None    # `nanprobe run ... --capsule ...` for the bad step
     scaler_skips: int = 0
@@ -66,10 +65,40 @@ class SmokeResult:
     def headline(self) -> str:
         return headline(self.report, self.steps_run)
 
+    @property
+    def checks(self) -> tuple[Check, ...]:
+        def check(name: str, title: str, failed: bool) -> Check:
+            if not failed:
+                return Check(name=name, title=title, passed=True)
+            return Check(name=name, title=title, passed=False, message=self.headline, detail=self.summary())
+
+        spike = self.report.status is Status.SPIKE
+        return (check("entry", f"{self.entry} builds a valid target", False),
+                check("finite", f"{self.steps} steps from scratch: loss, gradients and weights finite",
+                      not self.healthy and not spike),
+                check("spike", "no loss or gradient-norm spike", spike))
+
     def summary(self) -> str:
-        """Several lines: the headline, the top finding's evidence and fix, the replay command."""
-        return describe(self.report, self.steps_run, capsule=self.capsule, command=self.command,
-                        notes=self.notes)
+        """Several lines: the headline, the top finding's evidence and fix, the capsule and replay command."""
+        report = self.report
+        lines = [self.headline]
+        o = report.origin
+        if o is not None and o.source:
+            lines.append(f"  source: {o.source}" + (f"   {o.code}" if o.code else ""))
+        top = report.top
+        if top is not None:
+            lines += [f"  evidence: {e}" for e in top.evidence[:4]]
+            if top.fixes:
+                fix = top.fixes[0]
+                mark = {True: "verified", False: "failed over the horizon", None: "not verified"}[fix.verified]
+                lines.append(f"  fix ({mark}): {fix.title}" + (f" - {fix.verify_note}" if fix.verify_note else ""))
+                lines += ["      " + line for line in fix.code.splitlines()[:6]]
+        if self.capsule:
+            lines.append(f"  capsule: {self.capsule}")
+        if self.command:
+            lines.append(f"  replay: {self.command}")
+        lines += [f"  note: {n}" for n in self.notes + report.notes]
+        return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         out = self.report.to_json()
@@ -102,28 +131,6 @@ def headline(report: Report, steps_run: int | None = None) -> str:
     return text
 
 
-def describe(report: Report, steps_run: int | None = None, *, capsule: str | None = None,
-             command: str | None = None, notes: tuple[str, ...] = ()) -> str:
-    lines = [headline(report, steps_run)]
-    o = report.origin
-    if o is not None and o.source:
-        lines.append(f"  source: {o.source}" + (f"   {o.code}" if o.code else ""))
-    top = report.top
-    if top is not None:
-        lines += [f"  evidence: {e}" for e in top.evidence[:4]]
-        if top.fixes:
-            fix = top.fixes[0]
-            mark = {True: "verified", False: "failed over the horizon", None: "not verified"}[fix.verified]
-            lines.append(f"  fix ({mark}): {fix.title}" + (f" - {fix.verify_note}" if fix.verify_note else ""))
-            lines += ["      " + line for line in fix.code.splitlines()[:6]]
-    if capsule:
-        lines.append(f"  capsule: {capsule}")
-    if command:
-        lines.append(f"  replay: {command}")
-    lines += [f"  note: {n}" for n in tuple(notes) + report.notes]
-    return "\n".join(lines)
-
-
 # -- loading what to train ----------------------------------------------------------------------------
 
 def _scaler_skips(history) -> tuple[int, tuple[str, ...]]:
@@ -154,12 +161,11 @@ def _load(obj: Any) -> tuple[Loaded, str | None]:
 # -- the smoke run -------------------------------------------------------------------------------------------
 
 def _smoke_replay_config(cfg: Config) -> ReplayConfig:
-    """Smoke judges steps with the guard's thresholds (it stands for the guarded training run)."""
+    """Smoke judges steps with the guard's thresholds (it stands for the guarded training run). The guard never
+    measures |dw|/|w| (it copies no weights): neither does smoke's judge."""
     g = cfg.guard
-    same = {f.name for f in dataclasses.fields(g)} & {f.name for f in dataclasses.fields(cfg.replay)}
-    # the guard never measures |dw|/|w| (it copies no weights): neither does smoke's judge
-    return dataclasses.replace(cfg.replay, spike_window=g.window, update_ratio_limit=float("inf"),
-                               **{k: getattr(g, k) for k in same})
+    return dataclasses.replace(cfg.replay, spike_window=g.window, update_ratio_limit=float("inf"), **{
+        f.name: getattr(g, f.name) for f in dataclasses.fields(g) if hasattr(cfg.replay, f.name)})
 
 
 @borrows_globals
@@ -182,7 +188,7 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
     loaded, entry_str = _load(entry)
     target = loaded.target
     try:
-        prec = parse_precision(precision, default=target.precision) if precision is not None else target.precision
+        prec = parse_precision(precision, default=target.precision)
     except ValueError:
         raise UsageError(f"unknown precision {precision!r}", "--precision", "Use one of: fp32, bf16, fp16") from None
     check_precision(target, prec)
@@ -204,8 +210,8 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
                         device=describe_device(device), precision=prec.value,
                         history=tuple(history[-cfg.replay.history:]), notes=notes,
                         reached_by=f"trained {done.steps} steps from scratch with the guard's checks")
-        return _result(loaded.entry, steps, done.steps, report, None, None, skips, started, ())
-    steps_run = reached.step + 1
+        return SmokeResult(entry=loaded.entry, steps=steps, steps_run=done.steps, report=report, scaler_skips=skips,
+                           seconds=time.perf_counter() - started)
     skips, skip_notes = _scaler_skips(reached.history)
     notes = list(skip_notes)
     path = command = None
@@ -217,25 +223,9 @@ def smoke(entry: Any, *, steps: int = 20, precision: str | Precision | None = No
     reached.reached_by = f"trained from scratch with the guard's checks; step {reached.step} failed"
     progress(f"diagnosing step {reached.step}")
     report = diagnose_target(loaded, reached=reached, config=cfg, command="smoke", on_progress=progress)
-    return _result(loaded.entry, steps, steps_run, report, None if path is None else str(path), command, skips,
-                   started, tuple(notes))
-
-
-def _result(entry: str, steps: int, steps_run: int, report: Report, capsule: str | None, command: str | None,
-            skips: int, started: float, notes: tuple[str, ...]) -> SmokeResult:
-    def check(name: str, title: str, failed: bool) -> Check:
-        if not failed:
-            return Check(name=name, title=title, passed=True)
-        return Check(name=name, title=title, passed=False, message=headline(report, steps_run),
-                     detail=describe(report, steps_run, capsule=capsule, command=command, notes=notes))
-
-    spike = report.status is Status.SPIKE
-    checks = (check("entry", f"{entry} builds a valid target", False),
-              check("finite", f"{steps} steps from scratch: loss, gradients and weights finite",
-                    report.status is not Status.FINITE and not spike),
-              check("spike", "no loss or gradient-norm spike", spike))
-    return SmokeResult(entry=entry, steps=steps, steps_run=steps_run, report=report, checks=checks, capsule=capsule,
-                       command=command, scaler_skips=skips, seconds=time.perf_counter() - started, notes=notes)
+    return SmokeResult(entry=loaded.entry, steps=steps, steps_run=reached.step + 1, report=report,
+                       capsule=None if path is None else str(path), command=command, scaler_skips=skips,
+                       seconds=time.perf_counter() - started, notes=tuple(notes))
 
 
 # -- JUnit XML ------------------------------------------------------------------------------------------------
@@ -301,4 +291,4 @@ def write_junit(path: str | os.PathLike, result: SmokeResult | None, *, entry: s
     return p
 
 
-__all__ = ["smoke", "SmokeResult", "Check", "headline", "describe", "junit_xml", "write_junit"]
+__all__ = ["smoke", "SmokeResult", "Check", "headline", "junit_xml", "write_junit"]
