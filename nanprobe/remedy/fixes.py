@@ -96,12 +96,6 @@ def _group(ev: Evidence) -> dict[str, Any]:
     return opts[0][1].param_groups[0] if opts and opts[0][1].param_groups else {}
 
 
-def _clip_of(ev: Evidence) -> float | None:
-    """The max_grad_norm the user's loop already clips at (None: no clipping)."""
-    clip = ev.target.max_grad_norm
-    return float(clip) if clip else None
-
-
 # -- mechanisms (a finding's mechanism ranks its fixes first) ---------------------------------------
 def _module_of(ev: Evidence, name: str | None) -> torch.nn.Module | None:
     if not name or name == LOSS_FN:
@@ -278,11 +272,6 @@ def _weight_decay(f: Finding, ev: Evidence) -> Fix | None:
                    "produce cannot grow without bound")
 
 
-@fix_for(Mechanism.LOSS_SCALE_COLLAPSE, verify=lambda f, ev: Remedy(precision=Precision.BF16))
-def _loss_scale_bf16(f: Finding, ev: Evidence) -> Fix | None:
-    return _bf16(f, ev)
-
-
 # -- op and error semantics (first: the specific fix before the generic ones) ----------------------
 _static(Cause.DATA, when=_kind_is("ctc_no_alignment"), src=True,
         title="Drop (or zero) the CTC samples that have no valid alignment",
@@ -374,7 +363,8 @@ def _fp16_constant(f: Finding, ev: Evidence) -> Fix | None:
 
 
 # -- precision ---------------------------------------------------------------------------------
-@fix_for(Cause.OVERFLOW, Cause.UNDERFLOW, verify=lambda f, ev: Remedy(precision=Precision.BF16))
+@fix_for(Mechanism.LOSS_SCALE_COLLAPSE, Cause.OVERFLOW, Cause.UNDERFLOW,
+         verify=lambda f, ev: Remedy(precision=Precision.BF16))
 def _bf16(f: Finding, ev: Evidence) -> Fix | None:
     if ev.reached.precision is not Precision.FP16:
         return None
@@ -533,7 +523,7 @@ def _opt_name(ev: Evidence) -> str:
 def _clip(f: Finding, ev: Evidence) -> Fix | None:
     if f.cause is Cause.OVERFLOW and f.phase is Phase.FORWARD:
         return None
-    if _clip_of(ev) is not None:
+    if ev.target.max_grad_norm:
         return None   # the loop already clips: a clipping fix would be no news (the LR fix is the one)
     if f.cause is Cause.LR_SPIKE and _opt_name(ev) in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adafactor"):
         return None   # Adam normalises the gradient: clipping does not bound its step, the LR does
@@ -586,22 +576,20 @@ def _data_clean(f: Finding, ev: Evidence) -> Fix | None:
                    why="softmax over a row of -inf is 0/0 = NaN, and the NaN flows back into the weights")
     shift = next((p for p in ev.data if p.code == "shift"), None)
     step = ev.reached.step
+    scan = f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of every batch: "
     if not codes and ev.reached.status is Status.SPIKE and shift is not None:
         return Fix(title=f"Fix {shift.key} in batch {step} at the source: it is in other units than the batches "
                          "before",
-                   code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
-                        f"every batch: {shift.key} in batch {step} vs the others\n"
-                        "# fix the export / conversion that produced it; until then skip such batches in the run "
-                        "with nanprobe.Guard",
+                   code=f"{scan}{shift.key} in batch {step} vs the others\n# fix the export / conversion that "
+                        "produced it; until then skip such batches in the run with nanprobe.Guard",
                    why=f"{shift.message}; one batch in other units moves the weights by its own outliers")
     if not codes and ev.reached.status is Status.SPIKE:
         return Fix(title=f"Find what is different about batch {step}: its loss is far outside the run's",
-                   code=f"nanprobe scan-data {ev.entry or 'ENTRY'} --limit {step + 1}  # per-key min/max/mean of "
-                        "every batch: compare batch " + f"{step} with the others\n"
+                   code=f"{scan}compare batch {step} with the others\n"
                         "# typical culprits: targets in other units, a label mapping of another source, a corrupt "
                         "shard; fix them at the source, or skip such batches in the run with nanprobe.Guard",
-               why="the step size did not change, so the batch did: one batch whose loss is orders of magnitude "
-                   "above the others moves the weights by its own outliers")
+                   why="the step size did not change, so the batch did: one batch whose loss is orders of magnitude "
+                       "above the others moves the weights by its own outliers")
     return Fix(title=f"Clean the data: find and drop (or impute) the rows with bad values in {key}",
                code=f"nanprobe scan-data {ev.entry or 'ENTRY'}  # every bad value with step, key, sample\n"
                     "# in the dataset / collate_fn:\n"
@@ -733,7 +721,7 @@ def _see_more(f: Finding, ev: Evidence) -> Fix | None:
 def _guard(f: Finding, ev: Evidence) -> Fix | None:
     if ev.reached.error is not None:
         return None   # a step that raises cannot be skipped by a guard around the update
-    clip = _clip_of(ev)
+    clip = ev.target.max_grad_norm   # the loop's own clipping
     entry = ev.entry or "train.py:target"
     return Fix(title="Skip bad updates in the real run with nanprobe.Guard (writes a capsule to replay)",
                code=f"guard = nanprobe.Guard(model, optimizer, entry=\"{entry}\")\n"

@@ -177,7 +177,7 @@ def test_each_mechanism_ranks_its_own_fix_first_and_precision_changes_after_the_
     first = {m: MECHANISMS[m][0].build.__name__ for m in Mechanism}
     assert first == {Mechanism.ATTENTION_LOGIT_GROWTH: "_qk_layernorm", Mechanism.OUTPUT_LOGIT_DIVERGENCE: "_z_loss",
                      Mechanism.ADAM_SECOND_MOMENT: "_adam_beta2", Mechanism.LR_SCHEDULE: "_lower_peak_lr",
-                     Mechanism.LOSS_SCALE_COLLAPSE: "_loss_scale_bf16", Mechanism.ACTIVATION_GROWTH: "_lower_peak_lr"}
+                     Mechanism.LOSS_SCALE_COLLAPSE: "_bf16", Mechanism.ACTIVATION_GROWTH: "_lower_peak_lr"}
     # each can be trained over a horizon, but the fix of an LR applied inside the optimizer (its own code)
     assert {t.build.__name__ for ts in MECHANISMS.values() for t in ts if t.verify is None} == {"_applied_lr"}
 
