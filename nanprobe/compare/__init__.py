@@ -9,10 +9,10 @@ Nothing here prints; the CLI renders the ``Comparison``.
 Definitions (also written into the JSON under ``definitions``) are in ``DEFINITIONS``.
 """
 
-from .plot import plot_comparison, plot_trajectory, require_matplotlib
+from .plot import check_plot, plot_comparison, plot_trajectory
 from .records import _RUNS, CHOICES, DEFINITIONS, Comparison, LayerRow, LayerStat, PrecisionRun, Ranked, ScalerResult, \
     parse_precisions
 from .runner import compare_precisions
 
 __all__ = ["CHOICES", "DEFINITIONS", "Comparison", "LayerRow", "LayerStat", "PrecisionRun", "Ranked", "ScalerResult",
-           "_RUNS", "compare_precisions", "parse_precisions", "plot_comparison", "plot_trajectory", "require_matplotlib"]
+           "_RUNS", "check_plot", "compare_precisions", "parse_precisions", "plot_comparison", "plot_trajectory"]

@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
 from ..base.batch import iter_tensors
-from ..locate.instrument import LOSS_FN
+from ..locate.instrument import LOSS_FN, _floats
 from ..base.report import Phase
 from ..locate.rerun import StepTrace
 
@@ -314,10 +313,6 @@ class _Measured:
             if row.unique:
                 totals[row.kind].add(v, row.compared, row.dtype)
         return cls(order=order, modules=modules, totals=totals)
-
-
-def _floats(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 
 
 class _OpProbe(TorchDispatchMode):

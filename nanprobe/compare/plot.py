@@ -10,7 +10,10 @@ from ..base.errors import UsageError
 from .records import Comparison
 
 
-def require_matplotlib() -> None:
+def check_plot(path: Path) -> None:
+    """``--plot``'s file: a suffix matplotlib writes, and matplotlib installed."""
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UsageError(f"cannot write a plot to {path}", "--plot", "Give a file ending in .png, .pdf or .svg")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -18,15 +21,9 @@ def require_matplotlib() -> None:
                          "Install it with: pip install 'nanprobe[plot]'") from None
 
 
-_PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
 def _figure(path: Path, figsize: tuple[float, float]):
     """A matplotlib Figure (no pyplot, no display) for a plot to be written to ``path``."""
-    if path.suffix.lower() not in _PLOT_SUFFIXES:
-        raise UsageError(f"cannot write a plot to {path}", "--plot",
-                         f"Give a file ending in {', '.join(_PLOT_SUFFIXES)}")
-    require_matplotlib()
+    check_plot(path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

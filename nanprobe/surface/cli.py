@@ -177,10 +177,8 @@ def _finish(result, json_out: str | None, render, then=None) -> None:
 
 def _check_plot(plot: Path | None) -> None:
     if plot is not None:
-        from ..compare import require_matplotlib
-        if plot.suffix.lower() not in (".png", ".pdf", ".svg"):
-            raise UsageError(f"cannot write a plot to {plot}", "--plot", "Give a file ending in .png, .pdf or .svg")
-        require_matplotlib()
+        from ..compare import check_plot
+        check_plot(plot)
 
 
 def _same_stream() -> bool:
