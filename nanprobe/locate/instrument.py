@@ -337,8 +337,18 @@ class OriginTracker:
             self._flush_pending()
         self.phase = phase
         self.active = phase in self.phases
-        if phase is Phase.UPDATE and self.optimizers and self.active:
-            self._index_optimizer()
+        if phase is Phase.UPDATE and self.optimizers and self.active:   # name the tensors the update writes
+            self._storage_names = names = {}
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        pname = self.param_names.get(id(p), "?")
+                        names[p.untyped_storage().data_ptr()] = (pname, "param")
+                        if p.grad is not None:
+                            names[p.grad.untyped_storage().data_ptr()] = (pname, "grad")
+                        for key, value in opt.state.get(p, {}).items():
+                            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                                names[value.untyped_storage().data_ptr()] = (pname, key)
 
     def set_micro(self, j: int, batch_size: int | None, count: int) -> None:
         """The step moved on to micro-batch ``j`` (of ``count``) with ``batch_size`` samples."""
@@ -392,25 +402,31 @@ class OriginTracker:
             self._record_range(name, t, op_index)
         self._recent.clear()
 
-    def _record_range(self, name: str, t: torch.Tensor, op_index: int) -> None:
-        was, self.active = self.active, False  # our own reductions are not the user's ops
+    @contextlib.contextmanager
+    def _paused(self):
+        """Our own ops (reductions, reads) are not the user's: unchecked, torch functions off."""
+        was, self.active = self.active, False
         try:
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                a = t.detach().abs().float()
-                finite = torch.isfinite(a)
-                inf = torch.full((), math.inf, device=a.device)
-                zero = (a == 0)
-                stats = torch.stack([
-                    torch.where(finite, a, torch.zeros((), device=a.device)).max(),
-                    torch.where(zero | ~finite, inf, a).min(),
-                    zero.float().mean(),
-                    (finite & (a > self.limits.max)).float().mean(),
-                    (~zero & (a < self.limits.tiny)).float().mean(),
-                    (~finite).float().sum(),
-                ])
-            self._module_stats.append((name, op_index, str(t.dtype).replace("torch.", ""), stats))
+            with torch._C.DisableTorchFunction():
+                yield
         finally:
             self.active = was
+
+    def _record_range(self, name: str, t: torch.Tensor, op_index: int) -> None:
+        with self._paused(), torch.no_grad():
+            a = t.detach().abs().float()
+            finite = torch.isfinite(a)
+            inf = torch.full((), math.inf, device=a.device)
+            zero = (a == 0)
+            stats = torch.stack([
+                torch.where(finite, a, torch.zeros((), device=a.device)).max(),
+                torch.where(zero | ~finite, inf, a).min(),
+                zero.float().mean(),
+                (finite & (a > self.limits.max)).float().mean(),
+                (~zero & (a < self.limits.tiny)).float().mean(),
+                (~finite).float().sum(),
+            ])
+        self._module_stats.append((name, op_index, str(t.dtype).replace("torch.", ""), stats))
 
     def _finish_ranges(self) -> None:
         if not self._module_stats:
@@ -425,20 +441,6 @@ class OriginTracker:
         self._module_stats = []
 
     # -- update phase --------------------------------------------------------------------
-    def _index_optimizer(self) -> None:
-        names: dict[int, tuple[str, str]] = {}
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    pname = self.param_names.get(id(p), "?")
-                    names[p.untyped_storage().data_ptr()] = (pname, "param")
-                    if p.grad is not None:
-                        names[p.grad.untyped_storage().data_ptr()] = (pname, "grad")
-                    for key, value in opt.state.get(p, {}).items():
-                        if isinstance(value, torch.Tensor) and value.numel() > 1:
-                            names[value.untyped_storage().data_ptr()] = (pname, key)
-        self._storage_names = names
-
     def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
         for t in tensors:
             hit = self._storage_names.get(t.untyped_storage().data_ptr())
@@ -468,15 +470,11 @@ class OriginTracker:
         """Note the op that raised (the first one): where the user's step failed, and its inputs."""
         if self.trace.failed is not None:
             return
-        self.active = False
-        try:   # best effort: the user's own exception is what propagates
-            with torch._C.DisableTorchFunction(), contextlib.suppress(Exception):
-                file, line, code = user_source_frame() if self.phase is Phase.FORWARD else (None, None, None)
-                self.trace.failed = Failed(phase=self.phase, module=self._module_for_op(), op=str(func),
-                                           source=f"{file}:{line}" if file else None, code=code,
-                                           inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
-        finally:
-            self.active = True
+        with self._paused(), contextlib.suppress(Exception):   # best effort: the user's exception propagates
+            file, line, code = user_source_frame() if self.phase is Phase.FORWARD else (None, None, None)
+            self.trace.failed = Failed(phase=self.phase, module=self._module_for_op(), op=str(func),
+                                       source=f"{file}:{line}" if file else None, code=code,
+                                       inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
 
     def _check(self, func, args, kwargs, out, mutated, pre) -> None:
         if isinstance(out, torch.Tensor):
@@ -486,12 +484,8 @@ class OriginTracker:
         outs = outs or mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
         if not outs:
             return
-        was, self.active = self.active, False
-        try:
-            with torch._C.DisableTorchFunction():
-                self._check_outputs(func, args, kwargs, outs, mutated, pre)
-        finally:
-            self.active = was
+        with self._paused():
+            self._check_outputs(func, args, kwargs, outs, mutated, pre)
 
     def _check_outputs(self, func, args, kwargs, outs, mutated, pre) -> None:
         trace = self.trace
