@@ -79,15 +79,6 @@ def _cast_weights(loop: Loop, snapshot: Snapshot, update: bool, dtype: torch.dty
             snapshot.clean = _versions(loop.objects)
 
 
-def _weights_dtype(loop: Loop, precision: Precision) -> torch.dtype | None:
-    """The dtype a rerun in ``precision`` casts the weights to: float64 for fp64; for weights stored in
-    bf16/fp16, any other precision (the weights' dtype is what the run computes in, autocast or not)."""
-    if precision is Precision.FP64:
-        return torch.float64
-    weights = loop.target.weights
-    return precision.dtype if weights is not None and precision is not weights else None
-
-
 def _scaler_for(loop: Loop, precision: Precision, grad_scaler: bool | None,
                 scale: float | None) -> Any:
     """The GradScaler a ``loss_fn`` rerun uses (RunOptions.scaler): the loop's own in its precision,
@@ -132,7 +123,11 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
     snapshot = reached.snapshot
     skip_update = not update and loop.target.step_fn is None and reached.record is not None
     sizes = [batch_size(item) for item in reached.recorded.items]
-    cast = _weights_dtype(loop, precision)
+    # the dtype the weights are cast to: float64 for fp64; for weights stored in bf16/fp16, any other
+    # precision's (the weights' dtype is what the run computes in, autocast or not)
+    weights = loop.target.weights
+    cast = torch.float64 if precision is Precision.FP64 else \
+        precision.dtype if weights is not None and precision is not weights else None
 
     def once(mode: dict | None) -> StepTrace:
         snapshot.restore(loop.objects, partial_ok=True)
