@@ -74,6 +74,11 @@ def parse_precisions(value: str | Iterable[str] | None) -> tuple[str, ...]:
 
 # -- records ------------------------------------------------------------------------------------------
 
+def _fields_json(record) -> dict[str, Any]:
+    """Every field, in declaration order; floats through ``_num``."""
+    return {f.name: (_num(v) if isinstance(v := getattr(record, f.name), float) else v) for f in fields(record)}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScalerResult:
     scale: float                   # loss scale the step starts with
@@ -115,8 +120,8 @@ class LayerStat:
     def underflow(self) -> float | None:
         return max((v for v in (self.out_underflow, self.grad_underflow) if v is not None), default=None)
 
-    def to_json(self) -> dict[str, Any]:   # every field, in declaration order
-        return {f.name: (_num(v) if isinstance(v := getattr(self, f.name), float) else v) for f in fields(self)}
+    def to_json(self) -> dict[str, Any]:
+        return _fields_json(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,7 +145,7 @@ class Ranked:
     detail: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"precision": self.precision, "module": self.module, "value": _num(self.value), "detail": self.detail}
+        return _fields_json(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -240,10 +245,9 @@ class Comparison:
             "step": self.step, "status": "finite" if self.finite else "nonfinite", "device": self.device,
             "precision": self.precision, "reference": self.reference,
             "precisions": {k: v.to_json() for k, v in self.precisions.items()},
-            "layers": {"modules": [r.to_json() for r in self.layers],
-                       "least_accurate": [r.to_json() for r in self.least_accurate],
-                       "closest_to_overflow": [r.to_json() for r in self.closest_to_overflow],
-                       "deepest_underflow": [r.to_json() for r in self.deepest_underflow]},
+            "layers": {k: [r.to_json() for r in getattr(self, a)] for k, a in (
+                ("modules", "layers"), ("least_accurate", "least_accurate"),
+                ("closest_to_overflow", "closest_to_overflow"), ("deepest_underflow", "deepest_underflow"))},
             "recommendation": self.recommendation, "recommended": self.recommended,
             "disagreements": [dict(d) for d in self.disagreements],
             "notes": list(self.notes), "reached_by": self.reached_by, "autocast_policy": self.autocast_policy,

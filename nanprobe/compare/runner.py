@@ -31,10 +31,9 @@ class _Comparer:
         self.device = device_of(self.target.model)
         self.store = _Store(int(cfg.max_reference_mb * 2 ** 20), storage)
         # reruns end before the optimizer update unless the update is in question (as in nanprobe run)
-        rec = reached.record
-        suspect = rec is not None and not rec.finite and (rec.loss is None or math.isfinite(rec.loss)) and \
-            (rec.grad_norm is None or math.isfinite(rec.grad_norm))
-        self.update = self.target.step_fn is not None or rec is None or suspect or reached.status is Status.SPIKE
+        r = reached.record
+        suspect = r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
+        self.update = self.target.step_fn is not None or r is None or suspect or reached.status is Status.SPIKE
         # fp16 what-ifs on CPU run fp16 matmuls emulated (float32 arithmetic, fp16 rounding): CPU fp16
         # kernels are 5-10x slower; the run's own precision keeps its native kernels
         self.emulate = self.device.type == "cpu" and reached.precision is not Precision.FP16
