@@ -117,24 +117,16 @@ def handles_errors(fn):
                        "--debug and report the output"
                 code, shown = EXIT_INTERNAL, f"nanprobe: {line}."
             print(shown, file=sys.stderr)
-            _error_json(fn.__name__, kwargs, line, code)
+            if kwargs.get("json_out"):   # a CI system still gets a report: status "error", the message, the code
+                command = next((c.name for c in app.registered_commands if c.callback.__name__ == fn.__name__),
+                               fn.__name__)
+                data = {"schema": 1, "nanprobe": __version__, "command": command, "entry": kwargs.get("entry"),
+                        "status": "error", "error": line, "exit_code": code, "findings": []}
+                with contextlib.suppress(NanprobeError):   # the --json path itself is the problem: the line says it
+                    emit_json(data, kwargs["json_out"])
             raise typer.Exit(code) from None
 
     return wrapper
-
-
-def _error_json(fn_name: str, kwargs: dict, message: str, code: int) -> None:
-    """With --json, a CI system still gets a report: status "error", the message, the exit code."""
-    out = kwargs.get("json_out")
-    if not out:
-        return
-    command = next((c.name for c in app.registered_commands if c.callback.__name__ == fn_name), fn_name)
-    data = {"schema": 1, "nanprobe": __version__, "command": command,
-            "entry": kwargs.get("entry"), "status": "error", "error": message, "exit_code": code, "findings": []}
-    try:
-        emit_json(data, out)
-    except NanprobeError:
-        pass   # the --json path itself is the problem: the one line above says enough
 
 
 def emit_json(data: dict, json_out: str | None) -> None:

@@ -72,16 +72,11 @@ def _fix_panel(fix, *, why: bool = True) -> Panel:
     return Panel(Group(*body), title=title, title_align="left", border_style="cyan")
 
 
-def _stories(r: Report) -> list:
-    """The findings, one per story: a finding with the cause, phase and module of one before it repeats it."""
-    first: dict[tuple, object] = {}
+def _one_screen(r: Report, console: Console) -> None:
+    first: dict[tuple, object] = {}   # one finding per story: a later one with the same cause, phase, module repeats it
     for f in r.findings:
         first.setdefault((f.cause, f.phase, f.module), f)
-    return list(first.values())
-
-
-def _one_screen(r: Report, console: Console) -> None:
-    stories = _stories(r)
+    stories = list(first.values())
     if stories:
         console.print(Text("Findings (most likely first)", style="bold"))
         for i, f in enumerate(stories[:4], 1):
