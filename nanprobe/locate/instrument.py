@@ -477,10 +477,8 @@ class OriginTracker:
                                        inputs=[_tensor_stats(t) for t in _floats((args, kwargs))[:4]])
 
     def _check(self, func, args, kwargs, out, mutated, pre) -> None:
-        if isinstance(out, torch.Tensor):
-            outs = [out] if out.is_floating_point() and out.numel() > 0 else []
-        else:
-            outs = _floats(out)
+        outs = ([out] if out.is_floating_point() and out.numel() > 0 else []) if isinstance(out, torch.Tensor) \
+            else _floats(out)
         outs = outs or mutated  # in-place foreach ops (the optimizers' _foreach_*_) return None
         if not outs:
             return
@@ -572,8 +570,10 @@ class OriginTracker:
             # a foreach or fused op updates many parameters: the one named is the one whose tensor went
             # non-finite (its index i in the op's tensor lists), not the list's first: first the i-th tensor of
             # every tensor list among the op's arguments (its parameter, gradient and optimizer state)
-            lists = _tensor_lists((args, kwargs))
-            i, n = _position(bad_out, [outs, *lists]) or (None, None)
+            lists = [list(a) for a in tree_flatten((args, kwargs), is_leaf=_is_tensor_list)[0] if _is_tensor_list(a)]
+            # its index in the first list that holds it, and that list's length
+            i, n = next(((k, len(lst)) for lst in [outs, *lists] for k, t in enumerate(lst) if t is bad_out),
+                        (None, None))
             same = [lst[i] for lst in lists if len(lst) == n and lst[i] is not bad_out] if i is not None else []
             parameter, update_info = self._update_context([bad_out, *same, *mutated, *outs, *inputs])
             if parameter is None and i is not None:
@@ -619,21 +619,8 @@ class OriginTracker:
         return LOSS_FN  # created outside the model's modules
 
 
-def _position(bad: torch.Tensor, lists: list[list[torch.Tensor]]) -> tuple[int, int] | None:
-    """``bad``'s index in the first of ``lists`` that holds it, and that list's length."""
-    for lst in lists:
-        i = next((k for k, t in enumerate(lst) if t is bad), None)
-        if i is not None:
-            return i, len(lst)
-    return None
-
-
 def _is_tensor_list(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, torch.Tensor) for t in x)
-
-
-def _tensor_lists(args: Any) -> list[list[torch.Tensor]]:
-    return [list(a) for a in tree_flatten(args, is_leaf=_is_tensor_list)[0] if _is_tensor_list(a)]
 
 
 def _next_sequence_nr() -> int:
