@@ -12,8 +12,7 @@ from ..base.precision import Precision
 from ..base.report import SCHEMA, Origin, _num
 
 CHOICES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp16+scaler")
-_RUNS = {"fp64": (Precision.FP64, False), "fp32": (Precision.FP32, False), "tf32": (Precision.TF32, False),
-         "bf16": (Precision.BF16, False), "fp16": (Precision.FP16, False), "fp16+scaler": (Precision.FP16, True)}
+_RUNS = {name: (Precision(name.removesuffix("+scaler")), name.endswith("+scaler")) for name in CHOICES}  # +GradScaler
 _ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "bfloat16": "bf16",
             "float16": "fp16", "half": "fp16", "fp16-scaler": "fp16+scaler", "fp16_scaler": "fp16+scaler",
             "fp16+gradscaler": "fp16+scaler", "scaler": "fp16+scaler"}

@@ -176,7 +176,6 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
     # the reference: fp64 where it runs, else fp32
     runs: dict[str, _Run] = {}
     skipped: dict[str, str] = {}
-    ref_name = "fp64"
     if device.type == "mps":
         skipped["fp64"] = "MPS has no float64"
     else:
@@ -188,8 +187,8 @@ def _compare(loaded: Loaded, reached: Reached, notes: list[str], cfg: Config, na
                 runs["fp64"] = run
         except torch.OutOfMemoryError:
             skipped["fp64"] = "float64 copy of the model does not fit in memory"
+    ref_name = "fp32" if "fp64" in skipped else "fp64"
     if "fp64" in skipped:
-        ref_name = "fp32"
         cmp.store = _Store(cmp.store.budget, cmp.store.storage)
         notes.append(f"reference is fp32: {skipped['fp64']}")
         runs["fp32"] = cmp.run("fp32", reference=True, tolerate=False)
