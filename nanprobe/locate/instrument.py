@@ -442,28 +442,26 @@ class OriginTracker:
 
     # -- update phase --------------------------------------------------------------------
     def _update_context(self, tensors: list[torch.Tensor]) -> tuple[str | None, dict[str, Any] | None]:
-        for t in tensors:
-            hit = self._storage_names.get(t.untyped_storage().data_ptr())
-            if hit is None:
-                continue
-            pname, role = hit
-            info: dict[str, Any] = {"parameter": pname, "role": role}
-            p = dict(self.model.named_parameters()).get(pname)
-            opt, group = next(((o, g) for o in self.optimizers for g in o.param_groups
-                               if any(q is p for q in g["params"])), (None, None))
-            if opt is not None:
-                info["lr"] = _scalar(group.get("lr"))
-                info.update({k: _scalar(group[k]) for k in ("eps", "weight_decay") if k in group})
-                state = opt.state.get(p, {})
-                info["optimizer"] = type(opt).__name__
-                for key in ("exp_avg_sq", "square_avg", "sum", "exp_inf", "exp_avg"):
-                    v = state.get(key)
-                    if isinstance(v, torch.Tensor) and v.numel():
-                        vv = v.detach().float()
-                        info.update({f"{key}_min": vv.min().item(), f"{key}_zeros": int((vv == 0).sum().item()),
-                                     f"{key}_numel": v.numel()})
-            return pname, info
-        return None, None
+        hit = next((h for t in tensors if (h := self._storage_names.get(t.untyped_storage().data_ptr()))), None)
+        if hit is None:
+            return None, None
+        pname, role = hit
+        info: dict[str, Any] = {"parameter": pname, "role": role}
+        p = dict(self.model.named_parameters()).get(pname)
+        opt, group = next(((o, g) for o in self.optimizers for g in o.param_groups
+                           if any(q is p for q in g["params"])), (None, None))
+        if opt is not None:
+            info["lr"] = _scalar(group.get("lr"))
+            info.update({k: _scalar(group[k]) for k in ("eps", "weight_decay") if k in group})
+            state = opt.state.get(p, {})
+            info["optimizer"] = type(opt).__name__
+            for key in ("exp_avg_sq", "square_avg", "sum", "exp_inf", "exp_avg"):
+                v = state.get(key)
+                if isinstance(v, torch.Tensor) and v.numel():
+                    vv = v.detach().float()
+                    info.update({f"{key}_min": vv.min().item(), f"{key}_zeros": int((vv == 0).sum().item()),
+                                 f"{key}_numel": v.numel()})
+        return pname, info
 
     # -- the check -----------------------------------------------------------------------
     def _failed(self, func, args, kwargs) -> None:

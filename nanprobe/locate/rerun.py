@@ -91,9 +91,7 @@ def _scaler_for(loop: Loop, precision: Precision, grad_scaler: bool | None,
         return None
     if loop.scaler is not None and scale is None:
         return _KEEP
-    init = scale if scale is not None else (65536.0 if loop.scaler is None or loop.scaler._scale is None
-                                            else float(loop.scaler.get_scale()))
-    return torch.amp.GradScaler(loop.device_type, init_scale=init)
+    return torch.amp.GradScaler(loop.device_type, init_scale=65536.0 if scale is None else scale)
 
 
 def run_step(target, reached: Reached, precision: Precision, *, where: str, instrument: bool = True,
@@ -143,13 +141,12 @@ def run_step(target, reached: Reached, precision: Precision, *, where: str, inst
                 observe(phase)
 
         def on_micro(j: int) -> None:
-            if tracker is not None:
-                tracker.set_micro(j, sizes[j] if j < len(sizes) else None, len(sizes))
+            tracker.set_micro(j, sizes[j] if j < len(sizes) else None, len(sizes))
 
         options = RunOptions(precision=precision, policy=reached.policy,
                              on_phase=on_phase if tracker is not None else observe,
-                             on_micro=on_micro, max_grad_norm=max_grad_norm, lr_scale=lr_scale,
-                             param_overrides=param_overrides,
+                             on_micro=on_micro if tracker is not None else None, max_grad_norm=max_grad_norm,
+                             lr_scale=lr_scale, param_overrides=param_overrides,
                              scaler=_scaler_for(loop, precision, grad_scaler, scale),
                              stop_before_update=skip_update)
         feed = reached.recorded.feed()
