@@ -185,8 +185,7 @@ class PrecisionRun:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ran": self.ran, "reference": self.reference, "dtype": self.dtype}
         if not self.ran:
-            out["note"] = self.note
-            return out
+            return {**out, "note": self.note}
         out.update({
             "loss": _num(self.loss), "loss_rel_err": _num(self.loss_rel_err), "grad_norm": _num(self.grad_norm),
             "grad_cosine": _num(self.grad_cosine), "finite": self.finite,
@@ -200,14 +199,10 @@ class PrecisionRun:
                           "activations": _num(self.underflow_acts), "origin_inputs": _num(self.underflow_origin),
                           "max": _num(self.underflow)},
         })
-        zeros = self.zeros_at_origin
-        optional = {"zeros_at_origin": zeros and {"here": zeros[0], "reference": zeros[1]},
+        optional = {"zeros_at_origin": self.zeros_at_origin and dict(zip(("here", "reference"), self.zeros_at_origin)),
                     "underflow_explains": _num(self.underflow_explains),
-                    "scaler": self.scaler and self.scaler.to_json(), "supported": self.supported}
-        out.update({k: v for k, v in optional.items() if v is not None})   # each only where known
-        if self.note:
-            out["note"] = self.note
-        return out
+                    "scaler": self.scaler and self.scaler.to_json(), "supported": self.supported, "note": self.note}
+        return out | {k: v for k, v in optional.items() if v is not None}   # each only where known
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
