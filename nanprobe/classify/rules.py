@@ -382,13 +382,10 @@ def origin_rule(ev: Evidence) -> list[Finding]:
             return [finding(Cause.OVERFLOW, 0.8, e, lines + [
                 f"the quotient exceeds the {e.out_dtype} maximum {dtype_max(e.out_dtype):g}"])]
         return [finding(Cause.DIV, 0.8, e, lines + ["division by a near-zero value"])]
-    if fam in ("exp", "accum"):
-        return [_overflow(ev, e, fam, lines, low, ref_ok, probe)]
-    # an op no family knows: overflow only where the magnitudes say so
+    # exp and accumulations overflow; an op no family knows, only where the magnitudes say so
+    past_max = probe is not None and probe.out_absmax is not None and probe.out_absmax > dtype_max(e.out_dtype)
     big = max((s.absmax for s in ins), default=0.0)
-    if low and probe is not None and probe.out_absmax is not None and probe.out_absmax > dtype_max(e.out_dtype):
-        return [_overflow(ev, e, fam, lines, low, ref_ok, probe)]
-    if not low and e.kind != "nan" and big > 1e30:
+    if fam in ("exp", "accum") or (past_max if low else e.kind != "nan" and big > 1e30):
         return [_overflow(ev, e, fam, lines, low, ref_ok, probe)]
     return [unknown_origin(e, lines[1:])]
 

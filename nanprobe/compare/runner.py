@@ -151,9 +151,8 @@ def compare_precisions(entry_or_loaded: str | Loaded, *, at: int | None = None,
     always runs. The user's objects end in the pre-step state with their original dtypes.
     """
     cfg = config or load_config()
-    ccfg = cfg.compare
     names = parse_precisions(precisions)
-    k = ccfg.top if top is None else top
+    k = cfg.compare.top if top is None else top
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise UsageError(f"--top {top} is not a positive count", "--top", "Give a number of modules >= 1")
     progress = on_progress or (lambda msg: None)

@@ -20,16 +20,12 @@ def _least(*values: float | None) -> float | None:
 
 def _disagreements(results: dict[str, PrecisionRun], ref_name: str, cfg: CompareConfig) -> tuple[dict, ...]:
     """Finite precisions whose gradient points elsewhere than the reference's (cosine far below 1)."""
-    out = []
-    for name, r in results.items():
-        if name == ref_name or not r.ran or not r.finite or r.grad_cosine is None:
-            continue
-        if r.grad_cosine < cfg.disagree_cosine:
-            out.append({"precision": name, "grad_cosine": round(r.grad_cosine, 4),
-                        "evidence": f"{name} gradient cosine {r.grad_cosine:.3f} against {ref_name} (< "
-                                    f"{cfg.disagree_cosine:g}): the {name} update does not point where the "
-                                    f"{ref_name} one does, though every value is finite"})
-    return tuple(out)
+    return tuple({"precision": name, "grad_cosine": round(r.grad_cosine, 4),
+                  "evidence": f"{name} gradient cosine {r.grad_cosine:.3f} against {ref_name} (< "
+                              f"{cfg.disagree_cosine:g}): the {name} update does not point where the "
+                              f"{ref_name} one does, though every value is finite"}
+                 for name, r in results.items() if name != ref_name and r.ran and r.finite
+                 and r.grad_cosine is not None and r.grad_cosine < cfg.disagree_cosine)
 
 
 def _results(runs: dict[str, _Run], skipped: dict[str, str], names: tuple[str, ...], ref_name: str,

@@ -122,8 +122,7 @@ def _verdict(r: Report) -> Panel:
             what = "your code raised"
         born = f" born in {o.phase.value}" if o else ""
         title, style = f"step {r.step}: {what}{born}", "red"
-        pos = _position(r)
-        if pos:
+        if pos := _position(r):
             lines.add_row("data", pos)
         if r.error:
             lines.add_row("raised", r.error)
