@@ -117,7 +117,7 @@ def main() -> None:
     guard = Guard(model, opt, scaler=scaler, scheduler=sched, precision=precision, capsule_dir=tmp.name,
                   config={"loss_spike_factor": 1e9, "grad_spike_factor": 1e9})
     if args.no_monitor:
-        guard.monitor = None
+        guard.core.monitor = None   # what Guard(enabled=False) does: no precursor monitor
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     ctx = (lambda: autocast_context(precision, dev)) if precision.autocast else contextlib.nullcontext
     model.train()
