@@ -285,22 +285,14 @@ def _reductions(leaf: Leaf, ignore_index: int) -> list[torch.Tensor]:
     if role == FLOAT_MASK:
         lo_row, mx = torch.aminmax(x.amax(-1))   # a row whose max is -inf masks out everything
         return [lo_row, mx]
-    if role in (MASK, PAD_MASK):
+    if role in (MASK, PAD_MASK, LOSS_MASK, BOOL):
         # MASK: a row whose max is 0 attends to nothing; PAD_MASK: a row whose min is True is all padding
-        rows = torch.aminmax(x.amax(-1))[0] if role == MASK else torch.aminmax(x.amin(-1))[1]
+        head = [] if role == BOOL else [x.count_nonzero() if role == LOSS_MASK else
+                                        torch.aminmax(x.amax(-1))[0] if role == MASK else torch.aminmax(x.amin(-1))[1]]
         if not moments:
-            return [rows]
-        if x.dtype == torch.bool:   # min and max follow from the count of True
-            return [rows, x.sum()]
-        mn, mx = torch.aminmax(x)
-        return [rows, x.sum(), mn, mx]
-    if role == LOSS_MASK:
-        if not moments:
-            return [x.count_nonzero()]
-        mn, mx = torch.aminmax(x)
-        return [x.count_nonzero(), x.sum(), mn, mx]
-    if role == BOOL:
-        return [x.sum()] if moments else []
+            return head
+        # a bool mask: min and max follow from the count of True
+        return head + ([x.sum()] if x.dtype == torch.bool and role != LOSS_MASK else [x.sum(), *torch.aminmax(x)])
     return []
 
 
@@ -310,12 +302,11 @@ def _parse(leaf: Leaf, v: list[float]) -> Stats:
     role = leaf.role
     if not v:
         return st
-    more = len(v) > 2 and leaf.moments
     if role in (FLOAT, INT):
         st.min, st.max = v[0], v[1]
         if role == FLOAT:
             st.finite = math.isfinite(v[0]) and math.isfinite(v[1])
-        if more:
+        if len(v) > 2 and leaf.moments:
             st.moments = True
             st.sum = v[2]
             st.sumsq = v[3] if leaf.small and role == INT else v[3] * v[3]
@@ -328,24 +319,17 @@ def _parse(leaf: Leaf, v: list[float]) -> Stats:
         st.finite = not (math.isnan(v[1]) or v[1] == math.inf)
         st.row_low = v[0]
         st.masked = v[0] == -math.inf
-    elif role in (MASK, PAD_MASK):
-        st.masked = v[0] != 0 if role == PAD_MASK else v[0] == 0
-        if len(v) > 1:
+    elif role in (MASK, PAD_MASK, LOSS_MASK, BOOL):
+        if role != BOOL:   # the head value: rows that attend to nothing, all padding, the loss mask's count
+            head, v = v[0], v[1:]
+            if role == LOSS_MASK:
+                st.ignored = n - int(head)
+            else:
+                st.masked = head != 0 if role == PAD_MASK else head == 0
+        if v:
             st.moments = True
-            st.sum = v[1]
-            if len(v) > 2:
-                st.min, st.max = v[2], v[3]
-            else:   # bool: min and max follow from the count of True
-                st.min, st.max = float(v[1] >= n), float(v[1] > 0)
-    elif role == LOSS_MASK:
-        st.ignored = n - int(v[0])
-        if len(v) > 1:
-            st.moments = True
-            st.sum, st.min, st.max = v[1], v[2], v[3]
-    elif role == BOOL:
-        st.moments = True
-        st.sum = v[0]
-        st.min, st.max = float(v[0] >= n), float(v[0] > 0)
+            # bool: min and max follow from the count of True
+            st.sum, st.min, st.max = (v[0], v[1], v[2]) if len(v) > 2 else (v[0], float(v[0] >= n), float(v[0] > 0))
     return st
 
 

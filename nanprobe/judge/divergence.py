@@ -112,24 +112,27 @@ def band(values: Iterable[float], *, factor: float, z: float, extreme_factor: fl
     crosses zero). A value must also rise more than ``floor`` above the median (absolute units)."""
     vals = sorted(values)
     log = vals[0] > 0
-    med, sigma, cand, ext = _cuts(sorted(math.log(v) for v in vals) if log else vals, log,
-                                  math.log(max(factor, 1.0)), math.log(max(extreme_factor, 1.0)), factor,
-                                  extreme_factor, z, extreme_z, floor)
+    med, sigma, cand, ext = _cuts(sorted(math.log(v) for v in vals) if log else vals, log, factor, extreme_factor,
+                                  z, extreme_z, floor)
     return Band(median=med, sigma=sigma, log=log, candidate=cand, extreme=ext)
 
 
-def _cuts(s: list[float], log: bool, log_factor: float, log_extreme: float, factor: float, extreme_factor: float,
-          z: float, extreme_z: float, floor: float) -> tuple[float, float, float, float]:
+def _cut(med: float, sigma: float, log: bool, factor: float, z: float, floor: float) -> float:
+    """``factor`` times the median or ``z`` robust sigmas above it, whichever is wider, and at least ``floor``
+    above it (``med`` and ``sigma`` of the logs when ``log``)."""
+    if log:
+        return max(math.exp(med + max(math.log(max(factor, 1.0)), z * sigma)), math.exp(med) + floor)
+    scale = max(abs(med), sigma, floor, 1e-12)
+    return med + max((factor - 1) * scale, z * sigma, floor)
+
+
+def _cuts(s: list[float], log: bool, factor: float, extreme_factor: float, z: float, extreme_z: float,
+          floor: float) -> tuple[float, float, float, float]:
     """(median, robust sigma, candidate cut, extreme cut) of a sorted window (of logs when ``log``)."""
     med, mad = _median_and_mad(s)
     sigma = _MAD_SIGMA * mad
-    if log:
-        m = math.exp(med)
-        return (m, sigma, max(math.exp(med + max(log_factor, z * sigma)), m + floor),
-                max(math.exp(med + max(log_extreme, extreme_z * sigma)), m + floor))
-    scale = max(abs(med), sigma, floor, 1e-12)
-    return (med, sigma, med + max((factor - 1) * scale, z * sigma, floor),
-            med + max((extreme_factor - 1) * scale, extreme_z * sigma, floor))
+    return (math.exp(med) if log else med, sigma, _cut(med, sigma, log, factor, z, floor),
+            _cut(med, sigma, log, extreme_factor, extreme_z, floor))
 
 
 class _Series:
@@ -138,34 +141,25 @@ class _Series:
     A series whose window holds elevated values that recovered has shown heavy tails: an extreme
     value there must persist like any other elevated one before it is a spike. The window is also
     kept sorted (values, and logs of the positive ones), so a new band costs one merge, not a sort;
-    the cut-offs are plain floats (this runs once per step inside the guard's budget)."""
+    the cut-offs are plain floats (this runs once per step inside the guard's budget).
 
-    __slots__ = ("name", "factor", "r", "log_factor", "log_extreme", "values", "flags", "sorted_vals",
-                 "sorted_logs", "nonpos", "elevated", "first", "floor", "run", "run_start", "quiet", "ready",
-                 "median", "sigma", "log", "candidate", "extreme", "next_cut", "age")
+    ``flags``: each value was elevated when it came; ``sorted_logs``: logs of the positive values;
+    ``first``: the first values of the run (the no-history baseline), ``floor``: rise_floor x the
+    baseline; ``run``: consecutive elevated steps up to the last added one; ``quiet``: no elevated value
+    in the window recovered; ``ready``: the window has min_history values (the band exists); ``age``:
+    values added since the band was computed."""
+
+    __slots__ = ("name", "factor", "r", "values", "flags", "sorted_vals", "sorted_logs", "first", "floor", "run",
+                 "run_start", "quiet", "ready", "median", "sigma", "log", "candidate", "extreme", "next_cut", "age")
 
     def __init__(self, name: str, factor: float, rules: Rules):
-        self.name = name
-        self.factor = factor
-        self.r = rules
-        self.log_factor = math.log(max(factor, 1.0))
-        self.log_extreme = math.log(max(rules.extreme_factor, 1.0))
+        self.name, self.factor, self.r = name, factor, rules
         self.values: deque[float] = deque()
-        self.flags: deque[bool] = deque()    # each value was elevated when it came
-        self.sorted_vals: list[float] = []
-        self.sorted_logs: list[float] = []   # logs of the positive values
-        self.nonpos = 0                      # values <= 0 in the window
-        self.elevated = 0                    # True flags in the window
-        self.first: list[float] = []        # the first values of the run (the no-history baseline)
-        self.floor = 0.0                     # rise_floor x the baseline
-        self.run = 0                         # consecutive elevated steps up to the last added one
-        self.run_start: int | None = None
-        self.quiet = True                    # no elevated value in the window recovered
-        self.ready = False                   # the window has min_history values: the band exists
+        self.flags: deque[bool] = deque()
         self.median = self.sigma = 0.0
         self.log = True
-        self.candidate = self.extreme = self.next_cut = math.inf
-        self.age = 0                         # values added since the band was computed
+        self.age = 0
+        self.load({})   # an empty window: no band yet
 
     def baseline(self) -> float | None:
         pos = [v for v in self.first if v > 0]
@@ -179,20 +173,14 @@ class _Series:
         if self.log:   # ``median`` is the level itself, ``sigma`` the spread of its log
             return max(self.median * math.exp(max(math.log(RECOVERY_FACTOR), r.z * self.sigma)),
                        self.median + self.floor)
-        scale = max(abs(self.median), self.sigma, self.floor, 1e-12)
-        return self.median + max((RECOVERY_FACTOR - 1) * scale, r.z * self.sigma, self.floor)
-
-    def recovered(self) -> int:
-        """Elevated values in the window that were followed by a normal one."""
-        return self.elevated - min(self.run, len(self.flags))
+        return _cut(self.median, self.sigma, False, RECOVERY_FACTOR, r.z, self.floor)
 
     def refresh(self, force: bool = True) -> None:
         """Recompute the band (when ``force``, when it is ``REFRESH_EVERY`` values old, or when the
         window is not yet full-grown) and the next step's cut."""
         r = self.r
-        self.quiet = self.recovered() == 0
-        ready = len(self.values) >= r.min_history
-        if not ready:
+        self.quiet = sum(self.flags) == min(self.run, len(self.flags))   # every elevated value is in the current run
+        if len(self.values) < r.min_history:
             self.ready = False
             self.candidate = self.extreme = self.next_cut = math.inf
             return
@@ -200,10 +188,10 @@ class _Series:
         if force or not self.ready or self.age >= REFRESH_EVERY or len(self.values) < r.window:
             self.age = 0
             self.ready = True
-            self.log = self.nonpos == 0
+            self.log = len(self.sorted_logs) == len(self.sorted_vals)   # no value <= 0
             self.median, self.sigma, self.candidate, self.extreme = _cuts(
-                self.sorted_logs if self.log else self.sorted_vals, self.log, self.log_factor, self.log_extreme,
-                self.factor, r.extreme_factor, r.z, r.extreme_z, self.floor)
+                self.sorted_logs if self.log else self.sorted_vals, self.log, self.factor, r.extreme_factor, r.z,
+                r.extreme_z, self.floor)
         # the value above which the next step is a spike: completing a persistent run, or extreme in a
         # quiet series
         self.next_cut = self.candidate if self.run + 1 >= r.persist else (self.extreme if self.quiet else math.inf)
@@ -211,20 +199,15 @@ class _Series:
     def _push(self, value: float, flag: bool) -> None:
         if len(self.values) >= self.r.window:
             old = self.values.popleft()
-            self.elevated -= self.flags.popleft()
+            self.flags.popleft()
             del self.sorted_vals[bisect_left(self.sorted_vals, old)]
             if old > 0:
                 del self.sorted_logs[bisect_left(self.sorted_logs, math.log(old))]
-            else:
-                self.nonpos -= 1
         self.values.append(value)
         self.flags.append(flag)
-        self.elevated += flag
         insort(self.sorted_vals, value)
         if value > 0:
             insort(self.sorted_logs, math.log(value))
-        else:
-            self.nonpos += 1
 
     def add(self, value: float, step: int | None, elevated: bool | None = None) -> None:
         """``elevated``: force the value's flag (an excursion that recovered, added while the band did not
@@ -267,7 +250,7 @@ class _Series:
     def load(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.flags.clear()
-        self.sorted_vals, self.sorted_logs, self.nonpos, self.elevated = [], [], 0, 0
+        self.sorted_vals, self.sorted_logs = [], []
         values = [float(v) for v in state.get("values", [])]
         for v, f in zip(values, state.get("flags", [False] * len(values))):
             self._push(v, bool(f))
@@ -296,12 +279,9 @@ class Divergence:
 
     # -- cut-offs for the next step (the guard's device-side flag uses them) --------------------------
     def loss_cut(self) -> float:
-        cut = self.loss.next_cut
-        if not self.loss.ready and self.loss.first:   # no robust band yet: the first losses are the baseline
-            base = self.loss.baseline()
-            if base is not None:
-                cut = min(cut, self.rules.runaway_factor * base)
-        return cut
+        # no robust band yet: the first losses are the baseline
+        base = None if self.loss.ready else self.loss.baseline()
+        return self.loss.next_cut if base is None else min(self.loss.next_cut, self.rules.runaway_factor * base)
 
     def norm_cut(self) -> float:
         return self.norm.next_cut
@@ -370,9 +350,8 @@ class Divergence:
             excursion: bool = False) -> None:
         """A step that goes into the history (applied, or a GradScaler skip: then ``norm`` is None).
         ``excursion``: the step is a spike whose recovery is being watched; it counts as elevated."""
-        flag = True if excursion else None
         if loss is not None and math.isfinite(loss):
-            self.loss.add(loss, step, flag)
+            self.loss.add(loss, step, True if excursion else None)
         if norm is not None and math.isfinite(norm):
             self.norm.add(norm, step)
 
@@ -410,12 +389,6 @@ class Breakaway:
         self.above_since: int | None = None
         self.n = 0
 
-    @classmethod
-    def of(cls, cfg: Any) -> Breakaway:
-        """The break-away of ``monitor.breakaway_*`` (configs/default.yaml)."""
-        return cls(window=cfg.breakaway_window, sigmas=cfg.breakaway_sigmas, rise=cfg.breakaway_rise,
-                   patience=cfg.breakaway_patience, min_steps=cfg.breakaway_min_steps)
-
     def add(self, loss: float, step: int) -> dict[str, Any] | None:
         """Add a finite loss; the break-away's facts when the run has broken away, else None."""
         if loss is None or not math.isfinite(loss):
@@ -452,11 +425,10 @@ class Breakaway:
         """The loss's noise sigma: robust, of its step-to-step changes; those of the healthy stretch (while the
         loss was reaching its best level) where they are smaller (a diverged loss's own noise would widen the cut
         that tells it apart from its best level)."""
-        def sigma(d: list[float]) -> float:
-            return _MAD_SIGMA * _mid(d) / math.sqrt(2)
         if not self.diffs:
             return 0.0
-        return min(sigma(self.diffs), sigma(self.healthy)) if len(self.healthy) >= EARLY else sigma(self.diffs)
+        mid = min(_mid(self.diffs), _mid(self.healthy)) if len(self.healthy) >= EARLY else _mid(self.diffs)
+        return _MAD_SIGMA * mid / math.sqrt(2)
 
     def cut(self) -> float | None:
         """The level above which the loss has left its best level (None before a full window)."""
@@ -471,17 +443,16 @@ class Breakaway:
                 f"step {facts['step']} ({facts['level'] - facts['best']:+.3g}, noise sigma {facts['sigma']:.2g})")
 
 
-def breakaway(losses: Iterable[float] | Iterable[tuple[int, float]], *, window: int = 10, sigmas: float = 4.0,
-              rise: float = 0.1, patience: int = 20, min_steps: int = 30) -> dict[str, Any] | None:
+def breakaway(losses: Iterable[float] | Iterable[tuple[int, float]], **settings: Any) -> dict[str, Any] | None:
     """Did a loss series leave its own best level and not come back?
 
     ``losses``: plain values (step = position) or ``(step, loss)`` pairs; non-finite values are
     skipped. Returns None, or the first break-away found: ``{"best", "best_step", "level", "step",
     "since", "sigma", "cut"}`` (the best level and its step, the level when it was judged, the step
-    judged, the first step above the cut, the noise sigma and the cut). The thresholds are
-    ``monitor.breakaway_*`` in configs/default.yaml.
+    judged, the first step above the cut, the noise sigma and the cut). ``settings``: ``Breakaway``'s
+    (window, sigmas, rise, patience, min_steps: ``monitor.breakaway_*`` in configs/default.yaml).
     """
-    b = Breakaway(window=window, sigmas=sigmas, rise=rise, patience=patience, min_steps=min_steps)
+    b = Breakaway(**settings)
     for i, item in enumerate(losses):
         step, loss = item if isinstance(item, tuple) else (i, item)
         facts = b.add(float(loss), int(step))
@@ -514,7 +485,10 @@ class Judge:
         self.model = Divergence(Rules.of(cfg))
         # ``monitor`` (a judge.monitor.Monitor): the slow divergence too, by its break-away settings
         self.monitor = monitor
-        self.slow = Breakaway.of(monitor.cfg) if monitor is not None else None
+        c = getattr(monitor, "cfg", None)   # the break-away of ``monitor.breakaway_*`` (configs/default.yaml)
+        self.slow = None if monitor is None else Breakaway(
+            window=c.breakaway_window, sigmas=c.breakaway_sigmas, rise=c.breakaway_rise,
+            patience=c.breakaway_patience, min_steps=c.breakaway_min_steps)
         self.breakaway: dict[str, Any] | None = None
         self.notes: list[str] = []
         self.rise: dict[str, Any] | None = None     # the first break-away with nothing behind it
@@ -536,9 +510,12 @@ class Judge:
         return self.monitor.trend.precursor(facts, self.slow.patience)
 
     def judge(self, record: StepRecord, params_finite: bool) -> tuple[Status, str | None]:
-        reason = _nonfinite_reason(record, params_finite)
-        if reason:
-            return Status.NONFINITE, reason
+        if record.loss is not None and not math.isfinite(record.loss):
+            return Status.NONFINITE, f"loss is {record.loss}"
+        if record.grad_norm is not None and not math.isfinite(record.grad_norm) and not record.skipped:
+            return Status.NONFINITE, f"gradient norm is {record.grad_norm}"
+        if not params_finite:
+            return Status.NONFINITE, "parameters became non-finite in the optimizer update"
         if record.skipped:   # a GradScaler skip with a finite loss
             storm = self.model.scaler_skip(record.scale)
             if storm:
@@ -579,16 +556,6 @@ class Judge:
 
     def back_to_normal(self, record: StepRecord) -> bool:
         return record.finite and self.model.back_to_normal(record.loss, None if record.skipped else record.grad_norm)
-
-
-def _nonfinite_reason(record: StepRecord, params_finite: bool) -> str | None:
-    if record.loss is not None and not math.isfinite(record.loss):
-        return f"loss is {record.loss}"
-    if record.grad_norm is not None and not math.isfinite(record.grad_norm) and not record.skipped:
-        return f"gradient norm is {record.grad_norm}"
-    if not params_finite:
-        return "parameters became non-finite in the optimizer update"
-    return None
 
 
 __all__ = ["Judge", "Divergence", "Rules", "Band", "band", "Breakaway", "breakaway"]

@@ -96,15 +96,12 @@ class _AttentionMode(TorchFunctionMode):
                 if func in _SOFTMAX and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
                     # the largest finite logit: masked -inf entries excluded (one aminmax over the finite ones
                     # would cost a copy; the max of |min| over finite rows is read from the softmax instead)
-                    x = args[0].detach()
-                    lo, hi = torch.aminmax(x)
-                    self._put("max_logit", _finite_absmax(lo, hi))
+                    self._put("max_logit", _finite_absmax(args[0].detach()))
                     # entropy of the first sample's rows: attention collapse shows in every sample
                     p = out.detach()[:1].float()
                     self._put("entropy", -torch.special.xlogy(p, p).sum(-1).mean())
                 elif func in _MATMUL and isinstance(out, torch.Tensor) and out.dim() >= 3:
-                    lo, hi = torch.aminmax(out.detach())
-                    self._put("max_product", _finite_absmax(lo, hi))
+                    self._put("max_product", _finite_absmax(out.detach()))
                 elif func is _SDPA:
                     q, k = args[0].detach(), args[1].detach()
                     scale = kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
@@ -118,9 +115,9 @@ class _AttentionMode(TorchFunctionMode):
         self.sink[f"{self.name}/{stat}"].append(value)
 
 
-def _finite_absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """max(|min|, |max|) as fp32, with a non-finite end (an intended -inf mask, an overflow) left out."""
-    lo, hi = lo.float(), hi.float()
+def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max(|min|, |max|) of ``x`` as fp32, with a non-finite end (an intended -inf mask, an overflow) left out."""
+    lo, hi = (t.float() for t in torch.aminmax(x))
     zero = torch.zeros((), device=lo.device)
     return torch.maximum(torch.where(torch.isfinite(lo), -lo, zero), torch.where(torch.isfinite(hi), hi, zero))
 
@@ -232,10 +229,11 @@ class Monitor:
     def _act(self, name: str, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
             with torch.no_grad():
-                lo, hi = torch.aminmax(out.detach())
-                self._acts.append((name, _finite_absmax(lo, hi)))
+                self._acts.append((name, _finite_absmax(out.detach())))
 
     def _remove(self) -> None:
+        """Close the monitored step: its hooks come off."""
+        self._active = False
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -246,7 +244,6 @@ class Monitor:
         """Close a monitored step (``begin`` returned True) and record its sample."""
         if not self._active:
             return None
-        self._active = False
         self._remove()
         stats = {key: torch.stack(items).amin() if key.endswith("/entropy") else torch.stack(items).amax()
                  for key, items in self._sink.items()}
@@ -299,7 +296,6 @@ class Monitor:
 
     def abort(self) -> None:
         """The step raised: drop its hooks and partial statistics."""
-        self._active = False
         self._w0 = None
         self._remove()
 

@@ -67,12 +67,10 @@ def batch_shift(items: list[Any], before: list[list[Any]], *, step: int, factor:
     """Keys of the step's batch (each micro-batch in ``items``) whose statistics stand out against every
     batch in ``before`` (each a list of micro-batches), as warning-level ``shift`` problems."""
     history: dict[str, list[_KeyStats]] = {}
-    for batch in before:
-        for item in batch:
-            for leaf in leaves(item):
-                st = _stats(leaf, ignore_index)
-                if st is not None:
-                    history.setdefault(leaf.key, []).append(st)
+    for leaf in (leaf for batch in before for item in batch for leaf in leaves(item)):
+        st = _stats(leaf, ignore_index)
+        if st is not None:
+            history.setdefault(leaf.key, []).append(st)
     out: list[DataProblem] = []
     for j, item in enumerate(items):
         for leaf in leaves(item):
