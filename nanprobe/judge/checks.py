@@ -334,21 +334,17 @@ def _parse(leaf: Leaf, v: list[float]) -> Stats:
 
 
 def _parse_labels(leaf: Leaf, v: list[float], st: Stats) -> None:
-    n = st.n
-    lo, hi = v[0], v[1]
-    if not leaf.moments and len(v) == 3:
-        ignore, neg = leaf.ignore_index, v[2]     # the mask-free path of _reductions
-        if lo == hi == ignore:
-            st.all_ignored = True
-            st.ignored = n
-            return
-        st.negative = lo < ignore or neg < 0
-        st.min = lo if lo != ignore else None     # unknown when ignored labels hide the smallest
-        st.max = hi if hi != ignore else None
-        return
-    if leaf.fill is None and lo >= torch.iinfo(leaf.tensor.dtype).max:   # no label that is not ignored
+    n, lo, hi, ignore = st.n, v[0], v[1], leaf.ignore_index
+    fast = not leaf.moments and len(v) == 3   # the mask-free path of _reductions
+    # no label that is not ignored
+    if (lo == hi == ignore) if fast else (leaf.fill is None and lo >= torch.iinfo(leaf.tensor.dtype).max):
         st.all_ignored = True
         st.ignored = n
+        return
+    if fast:
+        st.negative = lo < ignore or v[2] < 0
+        st.min = lo if lo != ignore else None     # unknown when ignored labels hide the smallest
+        st.max = hi if hi != ignore else None
         return
     st.min, st.max = lo, hi
     st.negative = lo < 0
@@ -459,10 +455,8 @@ def leaf_problems(leaf: Leaf, st: Stats, *, step: int | None, ignore_index: int,
     For a float leaf with non-finite values the statistics in ``st`` are recomputed over its
     finite values, so summaries stay meaningful.
     """
-    out: list[DataProblem] = []
     empty = empty_problem(leaf, step, max_examples)
-    if empty is not None:
-        out.append(empty)
+    out: list[DataProblem] = [] if empty is None else [empty]
     x, key, role = leaf.tensor, leaf.key, leaf.role
     if x.numel() == 0:
         return out

@@ -94,45 +94,14 @@ def _median_and_mad(s: list[float]) -> tuple[float, float]:
     return med, _mid(sorted([med - x for x in reversed(s[:i])] + [x - med for x in s[i:]]))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Band:
-    """Where a series' next value counts as elevated (``candidate``) or far out (``extreme``)."""
-
-    median: float
-    sigma: float          # robust spread: of log(value) when ``log``, else of the value
-    log: bool
-    candidate: float      # above: elevated (a spike once it persists)
-    extreme: float        # above: a spike at once
-
-
-def band(values: Iterable[float], *, factor: float, z: float, extreme_factor: float, extreme_z: float,
-         floor: float = 0.0) -> Band:
-    """Robust cut-offs over ``values``: median and MAD of log(value) when every value is positive
-    (a ratio band: heavy tails and tiny losses widen it), else of the value itself (a loss that
-    crosses zero). A value must also rise more than ``floor`` above the median (absolute units)."""
-    vals = sorted(values)
-    log = vals[0] > 0
-    med, sigma, cand, ext = _cuts(sorted(math.log(v) for v in vals) if log else vals, log, factor, extreme_factor,
-                                  z, extreme_z, floor)
-    return Band(median=med, sigma=sigma, log=log, candidate=cand, extreme=ext)
-
-
 def _cut(med: float, sigma: float, log: bool, factor: float, z: float, floor: float) -> float:
     """``factor`` times the median or ``z`` robust sigmas above it, whichever is wider, and at least ``floor``
-    above it (``med`` and ``sigma`` of the logs when ``log``)."""
+    above it (absolute units). ``med`` and ``sigma`` are of log(value) when ``log`` (every value positive: a
+    ratio band, heavy tails and tiny losses widen it), else of the value itself (a loss that crosses zero)."""
     if log:
         return max(math.exp(med + max(math.log(max(factor, 1.0)), z * sigma)), math.exp(med) + floor)
     scale = max(abs(med), sigma, floor, 1e-12)
     return med + max((factor - 1) * scale, z * sigma, floor)
-
-
-def _cuts(s: list[float], log: bool, factor: float, extreme_factor: float, z: float, extreme_z: float,
-          floor: float) -> tuple[float, float, float, float]:
-    """(median, robust sigma, candidate cut, extreme cut) of a sorted window (of logs when ``log``)."""
-    med, mad = _median_and_mad(s)
-    sigma = _MAD_SIGMA * mad
-    return (math.exp(med) if log else med, sigma, _cut(med, sigma, log, factor, z, floor),
-            _cut(med, sigma, log, extreme_factor, extreme_z, floor))
 
 
 class _Series:
@@ -189,9 +158,11 @@ class _Series:
             self.age = 0
             self.ready = True
             self.log = len(self.sorted_logs) == len(self.sorted_vals)   # no value <= 0
-            self.median, self.sigma, self.candidate, self.extreme = _cuts(
-                self.sorted_logs if self.log else self.sorted_vals, self.log, self.factor, r.extreme_factor, r.z,
-                r.extreme_z, self.floor)
+            med, mad = _median_and_mad(self.sorted_logs if self.log else self.sorted_vals)
+            self.sigma = _MAD_SIGMA * mad
+            self.median = math.exp(med) if self.log else med
+            self.candidate = _cut(med, self.sigma, self.log, self.factor, r.z, self.floor)
+            self.extreme = _cut(med, self.sigma, self.log, r.extreme_factor, r.extreme_z, self.floor)
         # the value above which the next step is a spike: completing a persistent run, or extreme in a
         # quiet series
         self.next_cut = self.candidate if self.run + 1 >= r.persist else (self.extreme if self.quiet else math.inf)
@@ -229,12 +200,11 @@ class _Series:
     def explain(self, value: float, step: int | None) -> str | None:
         if not self.ready or value <= self.candidate:
             return None
-        label = "loss" if self.name == "loss" else "gradient-norm"
         med = self.median
         times = f"{value / med:.1f}x" if med > 0 else "above"
         spread = f"{(math.log(value) - math.log(med)) / self.sigma:.0f} robust sigmas of log" \
             if self.log and self.sigma > 0 and value > 0 else "no spread in the window"
-        head = f"{label} spike: {value:.4g} vs running median {med:.4g} ({times}; {spread})"
+        head = f"{self.name} spike: {value:.4g} vs running median {med:.4g} ({times}; {spread})"
         if self.run + 1 >= self.r.persist:
             since = f" since step {self.run_start}" if self.run and self.run_start is not None else ""
             return (f"{head}; elevated {self.run + 1} steps in a row{since} (above {self.candidate:.4g}): "
@@ -270,7 +240,7 @@ class Divergence:
     def __init__(self, rules: Rules):
         self.rules = rules
         self.loss = _Series("loss", rules.loss_factor, rules)
-        self.norm = _Series("grad_norm", rules.grad_factor, rules)
+        self.norm = _Series("gradient-norm", rules.grad_factor, rules)
         self.skips = 0                 # GradScaler skips in a row
         self.worked = False            # an update was applied at some point (warm-up is over)
         self.anchor: float | None = None   # the scale the current run of skips started from, after warm-up
@@ -432,9 +402,7 @@ class Breakaway:
 
     def cut(self) -> float | None:
         """The level above which the loss has left its best level (None before a full window)."""
-        if self.best is None:
-            return None
-        return self.best + max(self.sigmas * self.noise(), self.rise * abs(self.best))
+        return None if self.best is None else self.best + max(self.sigmas * self.noise(), self.rise * abs(self.best))
 
     @staticmethod
     def describe(facts: dict[str, Any]) -> str:
@@ -526,22 +494,18 @@ class Judge:
                                  update_ratio=None if record.skipped else record.update_ratio, step=record.step)
         if spike:
             return Status.SPIKE, spike
-        if self.slow is not None and record.loss is not None:
-            facts = self.slow.add(record.loss, record.step)
-            if facts is not None:
-                why = self.behind(facts)
-                if why is None:
-                    if self.rise is None:
-                        self.rise = facts
-                        self.notes.append(
-                            f"the loss rose from its best level {facts['best']:.4g} (step {facts['best_step']}) to "
-                            f"{facts['level']:.4g} at step {facts['step']}, with nothing behind it: no precursor "
-                            "out of its band, no sustained rise of the gradient norm, no update that climbs the "
-                            "gradient. A note, not a failure (a loss weight ramping up, a curriculum step or a "
-                            "value loss growing with the returns rise like this)")
-                    return Status.FINITE, None
-                self.breakaway = {**facts, "signal": why}
-                return Status.DIVERGING, f"{Breakaway.describe(facts)}; {why}"
+        facts = self.slow.add(record.loss, record.step) if self.slow is not None and record.loss is not None else None
+        why = self.behind(facts) if facts is not None else None
+        if why is not None:
+            self.breakaway = {**facts, "signal": why}
+            return Status.DIVERGING, f"{Breakaway.describe(facts)}; {why}"
+        if facts is not None and self.rise is None:
+            self.rise = facts
+            self.notes.append(f"the loss rose from its best level {facts['best']:.4g} (step {facts['best_step']}) to "
+                              f"{facts['level']:.4g} at step {facts['step']}, with nothing behind it: no precursor "
+                              "out of its band, no sustained rise of the gradient norm, no update that climbs the "
+                              "gradient. A note, not a failure (a loss weight ramping up, a curriculum step or a "
+                              "value loss growing with the returns rise like this)")
         return Status.FINITE, None
 
     def add(self, record: StepRecord, *, excursion: bool = False) -> None:
@@ -558,4 +522,4 @@ class Judge:
         return record.finite and self.model.back_to_normal(record.loss, None if record.skipped else record.grad_norm)
 
 
-__all__ = ["Judge", "Divergence", "Rules", "Band", "band", "Breakaway", "breakaway"]
+__all__ = ["Judge", "Divergence", "Rules", "Breakaway", "breakaway"]

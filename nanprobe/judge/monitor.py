@@ -355,8 +355,7 @@ class Trend:
         self.best_step: int | None = None   # where the loss's level was best, when the judge saw it break away
         self.series: dict[str, list[tuple[int, float]]] = {}
         self.closest: list[tuple[int, str]] = []
-        self.warnings: list[dict[str, Any]] = []
-        self._warned = False
+        self.warnings: list[dict[str, Any]] = []   # the one early warning (warn)
 
     def add(self, sample: Sample) -> None:
         for key, x in sample.values.items():
@@ -421,10 +420,7 @@ class Trend:
         c = self.cfg
         out: list[Signal] = []
         dmax = torch.finfo(self.dtype or torch.float32).max
-        for key, pts in self.series.items():
-            module, _, stat = key.rpartition("/")
-            if stat != "max_logit" or len(pts) < 2:
-                continue
+        for module, key, pts in self._of("max_logit", 2):
             base, start = self._band(pts, c.attention_logit_limit)
             base = max(base, 1e-6)
             step, last = _recent_peak(pts)
@@ -450,15 +446,11 @@ class Trend:
                           f"{_steps(projected)}")
             out.append(Signal(mechanism=Mechanism.ATTENTION_LOGIT_GROWTH, module=module, onset=onset,
                               evidence=tuple(ev), projected=projected, growth=last / base, key=key))
-        for key, pts in self.series.items():   # attention entropy collapse (one-hot attention) on its own
-            module, _, stat = key.rpartition("/")
-            if stat != "entropy" or len(pts) < 4 or any(s.module == module for s in out):
-                continue
+        for module, key, pts in self._of("entropy", 4):   # attention entropy collapse (one-hot attention) on its own
             level, start = self._band(pts)
-            if level < 4 * c.entropy_floor or pts[-1][1] >= c.entropy_floor:
-                continue
-            onset = self._exit(pts, lambda x: x < level / 4, start)
-            if onset is None:
+            collapsed = level >= 4 * c.entropy_floor and pts[-1][1] < c.entropy_floor
+            onset = self._exit(pts, lambda x: x < level / 4, start) if collapsed else None
+            if onset is None or any(s.module == module for s in out):
                 continue
             out.append(Signal(mechanism=Mechanism.ATTENTION_LOGIT_GROWTH, module=module, onset=onset,
                               evidence=(f"attention entropy collapsed from {_fmt(level)} nats (its level from step "
@@ -466,13 +458,10 @@ class Trend:
                                         f"below a quarter of its level from step {onset}",),
                               growth=level / max(pts[-1][1], 1e-6), key=key))
         log_c = math.log(self.classes) if self.classes else 0.0
-        for key, pts in self.series.items():
-            if not key.endswith("/logsumexp") or len(pts) < 2:
-                continue
+        for module, key, pts in self._of("logsumexp", 2):
             # log Z against log(number of classes): uniform logits give log C; a confident head's log Z is its
             # top logit (54 on a 10-class head is confidence, not divergence). What diverges is the logits' mean,
             # the part no softmax sees: log Z counts when it is past its band above log C and the mean moved too.
-            module = key.rsplit("/", 1)[0]
             ex = self._excess(key)
             base, start = self._band(ex, c.output_logsumexp_limit)
             step, last = _recent_peak(ex)
@@ -528,6 +517,11 @@ class Trend:
         out += self._lr_signals()
         out.sort(key=lambda s: (not s.independent, s.onset, -s.growth))
         return out
+
+    def _of(self, stat: str, n: int) -> list[tuple[str, str, list[tuple[int, float]]]]:
+        """(module, key, samples) of each series of ``stat`` with at least ``n`` samples, in the order recorded."""
+        return [(key.rpartition("/")[0], key, pts) for key, pts in self.series.items()
+                if key.rpartition("/")[2] == stat and len(pts) >= n]
 
     def _lr_signals(self) -> list[Signal]:
         """The step size that was applied: an update that climbs the gradient (an applied LR below zero), an
@@ -620,10 +614,8 @@ class Trend:
         series from its level there (the end of the run's healthy stretch), growth_factor x the smallest of its
         last samples up to ``best``. None where the series gives none (entropy, the LR: their own onsets stand)."""
         vals = self._excess(sig.key or "")
-        if (sig.key or "").rpartition("/")[2] not in ("max_logit", "logsumexp", "max") or len(vals) < 3:
-            return None
         ref = self._at(vals, best)
-        if not ref:
+        if (sig.key or "").rpartition("/")[2] not in ("max_logit", "logsumexp", "max") or len(vals) < 3 or not ref:
             return None
         cut = self.cfg.growth_factor * max(min(ref), 1e-6)
         return self._exit(vals, lambda x: x > cut, best)
@@ -692,11 +684,10 @@ class Trend:
     def warn(self, step: int) -> dict[str, Any] | None:
         """The early warning, once per run: an independent precursor trending toward failure, with a second
         sign that it is one: a dtype limit it is projected to cross, or a loss that stopped improving."""
-        sig = None if self._warned else next((s for s in self.signals() if s.independent and s.mechanism in _WARN_FIXES
+        sig = None if self.warnings else next((s for s in self.signals() if s.independent and s.mechanism in _WARN_FIXES
                                               and (s.projected is not None or self.loss_rising())), None)
         if sig is None:
             return None
-        self._warned = True
         line = f"{sig.headline()}: {sig.mechanism.value}"
         if sig.projected is not None:
             line += f"; the {_dtype_name(self.dtype)} max would be crossed {_steps(sig.projected)}"

@@ -100,9 +100,7 @@ class UpdateCheck:
     def unread(self) -> int | None:
         """The last applied update, when its weights were not read finite since: the one to read on a bad
         step (None: nothing to read)."""
-        if self.last is None or self.read_finite == self.last:
-            return None
-        return self.last
+        return None if self.read_finite == self.last else self.last
 
     def since(self, step: int) -> str | None:
         """Evidence for weights first seen non-finite after ``step``'s update when earlier updates were

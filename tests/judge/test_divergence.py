@@ -14,7 +14,7 @@ from torch import nn
 
 from conftest import example
 from nanprobe.base.config import GuardConfig, ReplayConfig, load_config
-from nanprobe.judge.divergence import Judge, band
+from nanprobe.judge.divergence import Divergence, Judge, Rules
 from nanprobe.reach.entry import load_target
 from nanprobe.live.guard import Guard
 from nanprobe.base.report import Status, StepRecord
@@ -138,10 +138,19 @@ def test_update_ratio_far_above_healthy_is_a_spike_without_history():
     assert Judge(load_config().replay).judge(ok, True) == (Status.FINITE, None)
 
 
+def _band(values: list[float]):
+    """The loss series' band over ``values`` (no rise floor, the band formed at the last value)."""
+    div = Divergence(Rules(min_history=len(values), loss_factor=10.0, z=6.0, extreme_factor=100.0, extreme_z=10.0,
+                           rise_floor=0.0))
+    for v in values:
+        div.add(v, None)
+    return div.loss
+
+
 def test_band_is_a_ratio_band_for_positive_values_and_linear_across_zero():
-    b = band([1.0, 2.0, 4.0, 1.0, 2.0], factor=10.0, z=6.0, extreme_factor=100.0, extreme_z=10.0)
+    b = _band([1.0, 2.0, 4.0, 1.0, 2.0])
     assert b.log and b.median == pytest.approx(2.0) and b.candidate > 20.0 and b.extreme > 200.0
-    lin = band([-0.1, 0.1, 0.0, 0.2, -0.2], factor=10.0, z=6.0, extreme_factor=100.0, extreme_z=10.0)
+    lin = _band([-0.1, 0.1, 0.0, 0.2, -0.2])
     assert not lin.log and lin.median == 0.0 and lin.candidate > 0.2
 
 
