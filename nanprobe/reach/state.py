@@ -130,10 +130,6 @@ class _TensorRef:
     tensor: torch.Tensor
     version: int
 
-    @property
-    def changed_in_place(self) -> bool:
-        return self.tensor._version != self.version
-
 
 def _get(v: Any) -> Any:
     """The value :func:`_value` saved, in fresh containers (the step may have changed the old ones in place)."""
@@ -303,11 +299,7 @@ def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
                 have[k] = slot.load().to(dtype=_want_dtype(p, k, slot))
             elif tensors:
                 slot.copy_into(have[k])
-    for group, want in zip(opt.param_groups, layout["groups"]):
-        for k, v in want.items():
-            group[k] = _into(group.get(k), v)
-        for k in [k for k in group if k != "params" and k not in want]:
-            del group[k]
+    _restore_groups(opt, layout)
 
 
 def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any],
@@ -328,12 +320,15 @@ def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any],
         del opt.state[p]
 
 
-def _restore_groups_only(opt: torch.optim.Optimizer, layout: dict[str, Any]) -> None:
-    """Put back each param group's hyper-parameters (a step may set the LR by hand)."""
+def _restore_groups(opt: torch.optim.Optimizer, layout: dict[str, Any], *, full: bool = True) -> None:
+    """Put back each param group's hyper-parameters (a step may set the LR by hand); ``full`` False (a
+    step stopped before its update): only the plain values, keys the step added stay."""
     for group, want in zip(opt.param_groups, layout["groups"]):
         for k, v in want.items():
-            if not isinstance(v, torch.Tensor):
-                group[k] = copy.deepcopy(v)
+            if full or not isinstance(v, torch.Tensor):
+                group[k] = _into(group.get(k), v)
+        for k in [k for k in group if full and k != "params" and k not in want]:
+            del group[k]
 
 
 def _versions(objects: Objects) -> list[tuple[torch.Tensor, int, int, torch.dtype]]:
@@ -398,7 +393,7 @@ class Snapshot:
         """Names of carried tensors (closure variables, module attributes) the step changed in place."""
         held = [(h.key, h.value) for h in self.user] + [(qual, v) for _, _, v, qual in self.attrs]
         return [name for name, v in held
-                if any(isinstance(r, _TensorRef) and r.changed_in_place for r in tree_leaves(v))]
+                if any(isinstance(r, _TensorRef) and r.tensor._version != r.version for r in tree_leaves(v))]
 
     def carried(self) -> dict[str, Any]:
         """The state the step keeps between calls, by name (for a capsule): module attributes by
@@ -439,7 +434,7 @@ class Snapshot:
                 _restore_optimizer(opt, layout, slots, tensors=not untouched)
         else:
             for (_, opt), layout in zip(objects.optimizers, self.optimizers):
-                _restore_groups_only(opt, layout)
+                _restore_groups(opt, layout, full=False)
             for p in [*objects.model.parameters(), *(m for _, m in objects.masters)]:
                 p.grad = None
         for (_, sched), saved in zip(objects.schedulers, self.schedulers):
@@ -579,8 +574,7 @@ def apply_carried(carried: dict[str, Any], objects: Objects, notes: list[str]) -
 
 
 __all__ = ["Snapshot", "Objects", "objects_of", "RngTracker", "capture_rng", "set_rng", "module_tensor_attrs",
-           "capture_user_state", "apply_carried", "borrowed_globals",
-           "borrows_globals"]
+           "capture_user_state", "apply_carried", "borrowed_globals", "borrows_globals"]
 
 
 # -- the caller's global state ------------------------------------------------------------------------
@@ -597,16 +591,18 @@ def borrowed_globals():
     ``detect_anomaly`` or under ``torch.no_grad()`` gets the same diagnosis as anyone else.
     """
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    rng = capture_rng("cuda" if cuda else "cpu", host=True)
-    threads = torch.get_num_threads()
-    dtype = torch.get_default_dtype()
-    grad = torch.is_grad_enabled()
-    anomaly = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
-    autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")}
-    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     mm, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     flags = mm.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic
-    matmul_precision = torch.get_float32_matmul_precision()
+    undo = [   # each setter with the arguments that put back the value it has now
+        (set_rng, capture_rng("cuda" if cuda else "cpu", host=True)),
+        (torch.set_num_threads, torch.get_num_threads()), (torch.set_default_dtype, torch.get_default_dtype()),
+        (torch.set_grad_enabled, torch.is_grad_enabled()),
+        (torch.set_anomaly_enabled, torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        *[(torch.set_autocast_enabled, d, torch.is_autocast_enabled(d)) for d in ("cpu", "cuda")],
+        *[(torch.set_autocast_dtype, d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")],
+        (lambda on, warn: torch.use_deterministic_algorithms(on, warn_only=warn),
+         torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        (torch.set_float32_matmul_precision, torch.get_float32_matmul_precision())]
     try:
         torch.set_grad_enabled(True)
         torch.set_anomaly_enabled(False)
@@ -614,17 +610,9 @@ def borrowed_globals():
             torch.set_autocast_enabled(d, False)
         yield
     finally:
-        set_rng(rng)
-        torch.set_num_threads(threads)
-        torch.set_default_dtype(dtype)
-        torch.set_grad_enabled(grad)
-        torch.set_anomaly_enabled(*anomaly)
-        for d, (enabled, low) in autocast.items():
-            torch.set_autocast_enabled(d, enabled)
-            torch.set_autocast_dtype(d, low)
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        for put, *args in undo:
+            put(*args)
         mm.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = flags
-        torch.set_float32_matmul_precision(matmul_precision)
 
 
 def borrows_globals(fn):
