@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 from .base.config import Config
@@ -32,16 +33,11 @@ def assert_trains_finite(entry_or_target: Any, steps: int = 20, precision: str |
         with tempfile.TemporaryDirectory(prefix="nanprobe-capsules-") as tmp:
             result = smoke(entry_or_target, steps=steps, precision=precision, config=config, capsule_dir=tmp)
             if not result.healthy:
-                result = _forget_capsule(result)
+                result = replace(result, capsule=None, command=None,
+                                 notes=result.notes + ("pass capsule_dir= to keep the capsule of the bad step",))
     if not result.healthy:
         raise AssertionError("nanprobe: training is not finite\n" + result.summary())
     return result
-
-
-def _forget_capsule(result: SmokeResult) -> SmokeResult:
-    from dataclasses import replace
-    return replace(result, capsule=None, command=None,
-                   notes=result.notes + ("pass capsule_dir= to keep the capsule of the bad step",))
 
 
 __all__ = ["assert_trains_finite"]

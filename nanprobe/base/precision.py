@@ -114,8 +114,12 @@ CUDA_FP32_OPS = (
 
 
 @contextlib.contextmanager
-def emulate_cuda_autocast():
-    """Within this context, CPU autocast follows CUDA's float32 op list."""
+def policy_context(policy: str, precision: Precision, device_type: str):
+    """The autocast op policy for a rerun: native, or CUDA's emulated on CPU (CPU autocast follows CUDA's
+    float32 op list)."""
+    if not (policy == "cuda" and precision.autocast and device_type == "cpu"):
+        yield
+        return
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     low = (torch.float16, torch.bfloat16)
 
@@ -187,10 +191,3 @@ class _RetargetCasts(TorchDispatchMode):
 def retarget_casts(old: torch.dtype, new: torch.dtype):
     """A context: the user's casts to ``old`` produce ``new`` (see _RetargetCasts)."""
     return _RetargetCasts(old, new) if old != new else contextlib.nullcontext()
-
-
-def policy_context(policy: str, precision: Precision, device_type: str):
-    """The autocast op policy for a rerun: native, or CUDA's emulated on CPU."""
-    if policy == "cuda" and precision.autocast and device_type == "cpu":
-        return emulate_cuda_autocast()
-    return contextlib.nullcontext()

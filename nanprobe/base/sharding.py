@@ -71,6 +71,13 @@ def sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "to_local") for p in model.parameters())
 
 
+def collective_device() -> torch.device:
+    """Where the default group's collectives take tensors (NCCL: this rank's GPU)."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def weights_finite(model: torch.nn.Module) -> bool:
     """Every weight is finite (one sync). Under torch.distributed each rank checks its own weights (its
     shard, when sharded) and the flag is all-reduced, so every rank gets the same answer and takes the
@@ -79,12 +86,11 @@ def weights_finite(model: torch.nn.Module) -> bool:
     ok = torch.stack([torch.isfinite(p).all() for p in shards]).all() if shards else torch.tensor(True)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
-        flag = ok.float().reshape(1).to(device)
+        flag = ok.float().reshape(1).to(collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() > 0)
     return bool(ok)
 
 
-__all__ = ["full_value", "local_value", "sharded", "weights_finite", "fsdp1_root", "total_norm", "clip_norm"]
+__all__ = ["full_value", "local_value", "sharded", "weights_finite", "fsdp1_root", "total_norm", "clip_norm",
+           "collective_device"]

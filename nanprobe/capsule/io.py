@@ -54,11 +54,6 @@ def to_record(d: dict[str, Any]) -> StepRecord:
                       losses={str(k): float(v) for k, v in losses.items() if isinstance(v, (int, float))})
 
 
-def _masters(module: torch.nn.Module, optimizers: list[Any]) -> list[torch.Tensor]:
-    own = {id(p) for p in module.parameters()}
-    return [p.detach() for o in optimizers for g in o.param_groups for p in g["params"] if id(p) not in own]
-
-
 def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any],
           scalers: list[torch.amp.GradScaler], micro_batches: list[Any] | None, rng: dict[str, Any],
           micro_rng: list[dict[str, Any]] | None, step: int, precision: Precision | str, status: str,
@@ -71,6 +66,7 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
     module = unwrap(model)
     dcp = sharded.wanted(model, world_size, optimizers)   # FSDP/DDP: tensors go to DCP when written, not gathered
     device = device_of(module)
+    own = {id(p) for p in module.parameters()}
     scheds = [safe_value(s.state_dict(), dropped, f"scheduler[{i}]") if callable(getattr(s, "state_dict", None))
               else None for i, s in enumerate(schedulers)]
     data = {
@@ -98,7 +94,7 @@ def build(*, model: torch.nn.Module, optimizers: list[Any], schedulers: list[Any
         "optimizers": [] if dcp else [safe_value(o.state_dict(), dropped, f"optimizer[{i}]")
                                       for i, o in enumerate(optimizers)],
         # tensors the optimizers step outside the model: float32 master copies of fp16/bf16 weights
-        "masters": _masters(module, optimizers),
+        "masters": [p.detach() for o in optimizers for g in o.param_groups for p in g["params"] if id(p) not in own],
         "schedulers": scheds,
         "scalers": [safe_value(s.state_dict(), dropped, f"scaler[{i}]") if s.is_enabled() else {}
                     for i, s in enumerate(scalers)],

@@ -24,10 +24,6 @@ from . import sharded
 from .io import Capsule, build, list_capsules, read, record_dict, to_record
 
 
-def _no_log(self, *args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _lightning_position(module: torch.nn.Module, epoch: int, step: int, notes: list[str]) -> None:
     """A LightningModule the ENTRY built, outside any Trainer, replaying a step the run took in epoch
     ``epoch`` at ``global_step`` ``step``: ``training_step`` code that reads ``self.current_epoch`` or
@@ -40,7 +36,8 @@ def _lightning_position(module: torch.nn.Module, epoch: int, step: int, notes: l
             for c in cls.__mro__):
         return
     ns = {"current_epoch": property(lambda self: epoch), "global_step": property(lambda self: step),
-          "log": _no_log, "log_dict": _no_log, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+          "log": lambda self, *a, **k: None, "log_dict": lambda self, *a, **k: None,
+          "__module__": cls.__module__, "__qualname__": cls.__qualname__}
     module.__class__ = type(cls.__name__, (cls,), ns)
     notes.append(f"a LightningModule replayed outside a Trainer: current_epoch reads {epoch} and global_step "
                  f"{step}, as in the run; self.log does nothing")

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..base.errors import CapsuleError, short_path
-from ..base.sharding import fsdp1_root, sharded
+from ..base.sharding import collective_device, fsdp1_root, sharded
 from .codec import SUFFIX, capsule_name, publish, safe_value, unwrap
 
 DIR_SUFFIX = ".capsule"
@@ -68,7 +68,7 @@ def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
     for opt in optimizers:
         for p in (q for g in opt.param_groups for q in g["params"]):
             tensors += [v for _, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
-    device = _device()
+    device = collective_device()
     count = torch.tensor([len(tensors), -len(tensors)], dtype=torch.float64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if count[0].item() != -count[1].item():
@@ -148,14 +148,6 @@ def _clean(name: str) -> str:
     return name
 
 
-def _device() -> torch.device:
-    """Where the default group's collectives take tensors (NCCL: this rank's GPU)."""
-    dist = torch.distributed
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _on_rank0(fn: Any) -> Path:
     """``fn()`` (a path) run on rank 0, on every rank (one broadcast); its OSError raises on every rank."""
     dist = torch.distributed
@@ -222,7 +214,7 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
     except OSError:
         failed += 1
     # every rank's file is complete (and the barrier): one all-reduce, so a rank that failed stops none
-    flag = failed.to(_device())
+    flag = failed.to(collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
         if rank == 0:
@@ -358,10 +350,6 @@ def load_state(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-def rank_files(path: str | os.PathLike) -> list[tuple[int, Path]]:
-    return sorted((int(m.group(1)), q) for q in Path(path).iterdir() if (m := RANK_FILE.match(q.name)))
-
-
 def optimizer_state(meta: Mapping[str, Any], tensors: Mapping[str, Any], opt: torch.optim.Optimizer,
                     module: torch.nn.Module, where: str) -> dict[str, Any]:
     """A sharded capsule's optimizer state (keyed by parameter name) as ``opt.load_state_dict`` takes it
@@ -395,7 +383,7 @@ def read_dir(path: str | os.PathLike, read: Any) -> tuple[list, dict[str, Any]]:
     in this machine's memory."""
     p = Path(path)
     where = str(path)
-    files = rank_files(p)
+    files = sorted((int(m.group(1)), q) for q in p.iterdir() if (m := RANK_FILE.match(q.name)))
     if not files:
         raise CapsuleError(f"{short_path(p)} is a directory without rank files", where,
                            "Give a capsule directory nanprobe wrote (stepNNNNNNN-...capsule/) or a capsule file")

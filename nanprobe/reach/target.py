@@ -86,7 +86,6 @@ class Target:
     def uses_scaler(self) -> bool:
         return bool(self.grad_scaler) if isinstance(self.grad_scaler, bool) else bool(self.user_scalers)
 
-
     @property
     def form(self) -> str:
         """How the capsule's micro-batches are fed: "loss_fn", "step_fn", or the step_fn's own ``form``
@@ -115,18 +114,19 @@ _HINTS = {
 }
 
 
-def _positive_int(values: dict, key: str, where: str, default: int | None = 1) -> None:
-    """``values[key]`` checked: a positive int (None only where the default is None)."""
-    v = values.get(key, default)
-    if (v is not None or default is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise TargetError(f"'{key}' is {v!r}", where, "Use a positive integer, or leave it out")
-
-
 def validate(obj: Any, where: str) -> Target:
     """Turn what the entrypoint returned into a checked Target; one clear error otherwise.
 
     Nothing here iterates ``batches`` or draws from an RNG.
     """
+    def fail(what: str, fix: str) -> TargetError:
+        return TargetError(what, where, fix)
+
+    def positive_int(key: str, default: int | None = 1) -> None:   # None allowed only where it is the default
+        v = values.get(key, default)
+        if (v is not None or default is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise fail(f"'{key}' is {v!r}", "Use a positive integer, or leave it out")
+
     if isinstance(obj, Target):
         values = {k: getattr(obj, k) for k in KEYS}
         if obj.pure:   # the precision it took from its weights: validated again as the fp32 (no autocast) asked
@@ -134,111 +134,105 @@ def validate(obj: Any, where: str) -> Target:
     elif isinstance(obj, dict):
         unknown = [k for k in obj if k not in KEYS]
         if unknown:
-            raise TargetError(f"{where} returned unknown key(s) {', '.join(map(repr, unknown))}",
-                              where, f"Use only: {', '.join(KEYS)}")
+            raise fail(f"{where} returned unknown key(s) {', '.join(map(repr, unknown))}",
+                       f"Use only: {', '.join(KEYS)}")
         missing = [k for k in REQUIRED if k not in obj]
         if missing:
-            k = missing[0]
-            raise TargetError(f"{where} returned no {k!r}", where, f'Add "{k}": {_HINTS[k]}')
+            raise fail(f"{where} returned no {missing[0]!r}", f'Add "{missing[0]}": {_HINTS[missing[0]]}')
         values = dict(obj)
     else:
-        raise TargetError(f"{where} returned {type(obj).__name__}, not a nanprobe.Target or dict", where,
-                          'Return nanprobe.Target(model=..., loss_fn=..., batches=...) or a dict with those keys')
+        raise fail(f"{where} returned {type(obj).__name__}, not a nanprobe.Target or dict",
+                   'Return nanprobe.Target(model=..., loss_fn=..., batches=...) or a dict with those keys')
 
     model = values["model"]
     if not isinstance(model, torch.nn.Module):
-        raise TargetError(f"'model' is {type(model).__name__}, not a torch.nn.Module", where,
-                          "Return the nn.Module being trained (several networks: one nn.ModuleDict)")
+        raise fail(f"'model' is {type(model).__name__}, not a torch.nn.Module",
+                   "Return the nn.Module being trained (several networks: one nn.ModuleDict)")
     loss_fn, step_fn = values.get("loss_fn"), values.get("step_fn")
     if loss_fn is None and step_fn is None:
-        raise TargetError(f"{where} returned no 'loss_fn'", where, f'Add "loss_fn": {_HINTS["loss_fn"]}')
+        raise fail(f"{where} returned no 'loss_fn'", f'Add "loss_fn": {_HINTS["loss_fn"]}')
     if loss_fn is not None and step_fn is not None:
-        raise TargetError(f"{where} returned both 'loss_fn' and 'step_fn'", where,
-                          "Keep one: loss_fn for the standard loop, step_fn for your own whole step")
+        raise fail(f"{where} returned both 'loss_fn' and 'step_fn'",
+                   "Keep one: loss_fn for the standard loop, step_fn for your own whole step")
     for key, fn, shape in (("loss_fn", loss_fn, "(model, batch) -> scalar loss"),
                            ("step_fn", step_fn, "(model, batch, step) -> loss or dict of losses")):
         if fn is not None and not callable(fn):
-            raise TargetError(f"'{key}' is {type(fn).__name__}, not callable", where, f"Pass a function {shape}")
+            raise fail(f"'{key}' is {type(fn).__name__}, not callable", f"Pass a function {shape}")
     batches = values["batches"]
     if not callable(batches) and not isinstance(batches, Iterable):
-        raise TargetError(f"'batches' is {type(batches).__name__}, neither iterable nor callable", where,
-                          "Pass a list, a DataLoader, or a callable i -> batch")
+        raise fail(f"'batches' is {type(batches).__name__}, neither iterable nor callable",
+                   "Pass a list, a DataLoader, or a callable i -> batch")
     if isinstance(batches, Iterator) and not callable(batches):
-        raise TargetError(f"'batches' is a one-shot iterator ({type(batches).__name__})", where,
-                          "Pass something nanprobe can iterate afresh: a list, a DataLoader, or a callable i -> batch")
+        raise fail(f"'batches' is a one-shot iterator ({type(batches).__name__})",
+                   "Pass something nanprobe can iterate afresh: a list, a DataLoader, or a callable i -> batch")
 
     opts = named(values.get("optimizer"), "optimizer")
     params = {id(p) for p in model.parameters()}
     for name, opt in opts:
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TargetError(f"'{name}' is {type(opt).__name__}, not a torch.optim.Optimizer", where,
-                              "Pass the optimizer(s) over the model's parameters, or leave it out")
+            raise fail(f"'{name}' is {type(opt).__name__}, not a torch.optim.Optimizer",
+                       "Pass the optimizer(s) over the model's parameters, or leave it out")
         foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in params]
         if foreign and not mirrors(model, foreign):
-            raise TargetError(f"'{name}' holds {len(foreign)} tensor(s) that are not parameters of 'model' (nor "
-                              "master copies of them: same shape, equal values)", where,
-                              "Build the optimizer from parameters of the returned model (several networks: "
-                              "put them in one nn.ModuleDict and return that)")
+            raise fail(f"'{name}' holds {len(foreign)} tensor(s) that are not parameters of 'model' (nor master "
+                       "copies of them: same shape, equal values)",
+                       "Build the optimizer from parameters of the returned model (several networks: put them in "
+                       "one nn.ModuleDict and return that)")
     scheds = named(values.get("scheduler"), "scheduler")
     for name, sched in scheds:
         if not callable(getattr(sched, "step", None)):
-            raise TargetError(f"'{name}' is {type(sched).__name__} with no step()", where,
-                              "Pass a torch.optim.lr_scheduler object, or leave it out")
+            raise fail(f"'{name}' is {type(sched).__name__} with no step()",
+                       "Pass a torch.optim.lr_scheduler object, or leave it out")
     if scheds and not opts:
-        raise TargetError("'scheduler' given without 'optimizer'", where, "Add the optimizer the scheduler drives")
+        raise fail("'scheduler' given without 'optimizer'", "Add the optimizer the scheduler drives")
     mgn = values.get("max_grad_norm")
     if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, (int, float)) or mgn <= 0):
-        raise TargetError(f"'max_grad_norm' is {mgn!r}", where, "Use a positive number, or leave it out")
+        raise fail(f"'max_grad_norm' is {mgn!r}", "Use a positive number, or leave it out")
     if mgn is not None and step_fn is not None:
-        raise TargetError("'max_grad_norm' is set with 'step_fn'", where,
-                          "Your step_fn does its own clipping; drop max_grad_norm")
+        raise fail("'max_grad_norm' is set with 'step_fn'", "Your step_fn does its own clipping; drop max_grad_norm")
     try:
         precision = parse_precision(values.get("precision"))
     except ValueError:
-        raise TargetError(f"'precision' is {values.get('precision')!r}", where,
-                          'Use "fp32", "bf16" or "fp16"') from None
+        raise fail(f"'precision' is {values.get('precision')!r}", 'Use "fp32", "bf16" or "fp16"') from None
     if precision not in (Precision.FP32, Precision.BF16, Precision.FP16):
-        raise TargetError(f"'precision' {precision.value!r} is not a training precision", where,
-                          'Use "fp32", "bf16" or "fp16"')
+        raise fail(f"'precision' {precision.value!r} is not a training precision", 'Use "fp32", "bf16" or "fp16"')
     # fp32 (no autocast) over bf16/fp16 weights computes in their dtype (Target sets it; the checks use it)
     computes = (weights_precision(model) or precision) if precision is Precision.FP32 else precision
     scaler = False if values.get("grad_scaler") is None else values["grad_scaler"]
     if isinstance(scaler, bool):
         if scaler and computes is not Precision.FP16:
-            raise TargetError(f"'grad_scaler' is set but 'precision' is {computes.value}", where,
-                              'GradScaler belongs to fp16 training: set "precision": "fp16" or drop grad_scaler')
+            raise fail(f"'grad_scaler' is set but 'precision' is {computes.value}",
+                       'GradScaler belongs to fp16 training: set "precision": "fp16" or drop grad_scaler')
         if scaler and not opts:
-            raise TargetError("'grad_scaler' needs an 'optimizer'", where, "Add the optimizer")
+            raise fail("'grad_scaler' needs an 'optimizer'", "Add the optimizer")
         if scaler and step_fn is not None:
-            raise TargetError("'grad_scaler' is True with 'step_fn'", where,
-                              'Your step_fn uses its own GradScaler: pass it, "grad_scaler": scaler')
+            raise fail("'grad_scaler' is True with 'step_fn'",
+                       'Your step_fn uses its own GradScaler: pass it, "grad_scaler": scaler')
     else:
         for name, s in named(scaler, "grad_scaler"):
             if not isinstance(s, torch.amp.GradScaler):
-                raise TargetError(f"'{name}' is {type(s).__name__}, not a torch.amp.GradScaler or bool", where,
-                                  "Pass True/False, or the GradScaler object(s) your step uses")
-    ls = values.get("load_state")
-    if ls is not None and not callable(ls):
-        raise TargetError("'load_state' is not callable", where, "Pass a function step -> restored_step")
-    _positive_int(values, "epochs", where)   # (absent: the Target's default)
-    _positive_int(values, "accumulate", where)
+                raise fail(f"'{name}' is {type(s).__name__}, not a torch.amp.GradScaler or bool",
+                           "Pass True/False, or the GradScaler object(s) your step uses")
+    if values.get("load_state") is not None and not callable(values["load_state"]):
+        raise fail("'load_state' is not callable", "Pass a function step -> restored_step")
+    positive_int("epochs")   # (absent: the Target's default)
+    positive_int("accumulate")
     if not isinstance(values.get("scheduler_on_skip", True), bool):
-        raise TargetError(f"'scheduler_on_skip' is {values['scheduler_on_skip']!r}", where, "Use True or False")
-    _positive_int(values, "num_classes", where, None)
+        raise fail(f"'scheduler_on_skip' is {values['scheduler_on_skip']!r}", "Use True or False")
+    positive_int("num_classes", None)
     ii = values.get("ignore_index", -100)
     if isinstance(ii, bool) or not isinstance(ii, int):
-        raise TargetError(f"'ignore_index' is {ii!r}", where, "Use an integer label value, e.g. -100")
+        raise fail(f"'ignore_index' is {ii!r}", "Use an integer label value, e.g. -100")
     return Target(**{**values, "precision": precision, "grad_scaler": scaler})
 
 
-def check_precision(target: Target, precision: Precision, flag: str = "--precision") -> Precision:
+def check_precision(target: Target, precision: Precision) -> None:
     """A precision asked for the run itself (replay, smoke): a pure low-precision target computes in its
     weights' dtype, with no autocast to rewrite, so no other precision can be replayed."""
     if target.pure and precision is not target.precision:
-        raise UsageError(f"{flag} {precision.value}: the weights themselves are {target.weights.value} (no autocast "
-                         "to switch)", flag,
-                         f"Leave {flag} out, or compare one step in {precision.value} with nanprobe compare-precisions")
-    return precision
+        raise UsageError(f"--precision {precision.value}: the weights themselves are {target.weights.value} (no "
+                         "autocast to switch)", "--precision", f"Leave --precision out, or compare one step in "
+                         f"{precision.value} with nanprobe compare-precisions")
 
 
 def mirrors(model: torch.nn.Module, tensors: list[torch.Tensor]) -> bool:
