@@ -30,8 +30,7 @@ SUFFIX = ".capsule.pt"
 def capsule_name(step: int, rank: int, attempt: int = 0) -> str:
     """A capsule file's name: its step, rank, time and process, unique within a folder."""
     stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
-    extra = f"-{attempt}" if attempt else ""
-    return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{extra}{SUFFIX}"
+    return f"step{step:07d}-rank{rank}-{stamp}-{os.getpid()}{f'-{attempt}' if attempt else ''}{SUFFIX}"
 
 def publish(tmp: Path, names: Callable[[int], Path], *, link: bool) -> Path:
     """Give the complete ``tmp`` the first free name of ``names(0)``, ``names(1)``, ...; never replaces
@@ -99,6 +98,7 @@ def fingerprint_difference(saved: list, model: torch.nn.Module) -> str | None:
 # -- weights_only-safe values ------------------------------------------------------------------------
 
 _PLAIN = (bool, int, float, str, bytes, type(None), complex)
+_KEYS = (str, int, float, bool, type(None))   # the dict keys a capsule keeps as they are
 
 
 def safe_value(obj: Any, dropped: list[str], path: str = "") -> Any:
@@ -118,7 +118,7 @@ def safe_value(obj: Any, dropped: list[str], path: str = "") -> Any:
     if isinstance(obj, Mapping):
         out = OrderedDict() if isinstance(obj, OrderedDict) else {}
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
+            if not isinstance(k, _KEYS):
                 dropped.append(f"{path}[{k!r}]")
                 continue
             out[k] = safe_value(v, dropped, f"{path}[{k!r}]")
@@ -150,17 +150,13 @@ def encode_batch(batch: Any) -> Any:
                            if f.init}}
     if isinstance(batch, Mapping):
         return {_TAG: "dict" if type(batch) is dict else "mapping", "type": _type_name(type(batch)),
-                "items": [[_key(k), encode_batch(v)] for k, v in batch.items()]}
+                "items": [[k if isinstance(k, _KEYS) else repr(k), encode_batch(v)] for k, v in batch.items()]}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return {_TAG: "namedtuple", "type": _type_name(type(batch)), "fields": list(batch._fields),
                 "items": [encode_batch(v) for v in batch]}
     if isinstance(batch, (list, tuple)):
         return {_TAG: "list" if isinstance(batch, list) else "tuple", "items": [encode_batch(v) for v in batch]}
     return {_TAG: "opaque", "type": _type_name(type(batch)), "repr": repr(batch)[:200]}
-
-
-def _key(k: Any) -> Any:
-    return k if isinstance(k, (str, int, float, bool, type(None))) else repr(k)
 
 
 def _type_name(t: type) -> str:
@@ -197,8 +193,16 @@ def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any
     if kind in ("tensor", "ndarray") and not isinstance(enc.get("data"), torch.Tensor):
         raise CapsuleError(f"a batch {kind} holds a {type(enc.get('data')).__name__}, not a tensor", None,
                            "The capsule is damaged; use another one")
-    if kind == "tensor":
-        return _to_device(enc["data"], str(enc.get("device", "cpu")), notes)
+    if kind == "tensor":   # back on the device it was saved from, where this machine has it
+        t, saved = enc["data"], str(enc.get("device", "cpu"))
+        if saved.startswith("cuda") and torch.cuda.is_available():
+            try:
+                return t.to(saved)
+            except (RuntimeError, AssertionError):
+                return t.to("cuda")
+        if saved.startswith("cuda") and "cuda batch" not in " ".join(notes):
+            notes.append("the capsule's cuda batch is replayed on cpu")
+        return t
     if kind == "ndarray":
         return enc["data"].numpy()
     if kind in ("list", "tuple"):
@@ -235,17 +239,6 @@ def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any
         notes.append(f"batch held a {enc.get('type')} that a capsule cannot store; it is None in the replay")
         return None
     raise CapsuleError(f"unknown batch element {kind!r}", None, "The capsule is damaged or from a newer nanprobe")
-
-
-def _to_device(t: torch.Tensor, saved: str, notes: list[str]) -> torch.Tensor:
-    if saved.startswith("cuda") and torch.cuda.is_available():
-        try:
-            return t.to(saved)
-        except (RuntimeError, AssertionError):
-            return t.to("cuda")
-    if saved.startswith("cuda") and "cuda batch" not in " ".join(notes):
-        notes.append("the capsule's cuda batch is replayed on cpu")
-    return t
 
 
 # -- RNG states ------------------------------------------------------------------------------------
