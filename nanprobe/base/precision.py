@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
@@ -86,11 +87,7 @@ def numeric_mode(precision: Precision, device_type: str):
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    for b in model.buffers():
-        return b.device
-    return torch.device("cpu")
+    return next((t.device for t in itertools.chain(model.parameters(), model.buffers())), torch.device("cpu"))
 
 
 def describe_device(device: torch.device) -> str:

@@ -22,9 +22,9 @@ from .codec import compiled_graphs, decode_batch, encode_batch, fingerprint, rng
 from .io import (FORMAT, SUFFIX, Capsule, build, carried_attrs, list_capsules, no_room, prune, read, record_dict,
                  replay_command, report_stem, to_record, write)
 from . import sharded
-from .restore import build_from_reached, capsule_reach, check_model, reach_for_step, reach_from_capsule
+from .restore import build_from_reached, capsule_reach, check_model, reach_from_capsule
 
-__all__ = ["Capsule", "build", "write", "read", "check_model", "reach_from_capsule", "reach_for_step", "capsule_reach",
+__all__ = ["Capsule", "build", "write", "read", "check_model", "reach_from_capsule", "capsule_reach",
            "list_capsules", "fingerprint", "encode_batch", "decode_batch", "rng_to_safe", "rng_from_safe",
            "safe_value", "unwrap", "record_dict", "to_record", "replay_command", "report_stem", "no_room", "prune", "carried_attrs",
            "build_from_reached", "compiled_graphs", "sharded", "FORMAT", "SUFFIX"]

@@ -271,52 +271,14 @@ def reach_from_capsule(path: str | os.PathLike | Capsule, loaded, cfg=None, *,
                    policy=policy or "native", compiled=bool(data.get("compiled", False)), **scheduler_info(target))
 
 
-def reach_for_step(step: int, loaded, cfg, *, precision: str | Precision | None = None,
-                   policy: str | None = None, extra: dict[str, Any] | None = None):
-    """For ``--at N``: the Reached state of a usable capsule for step N in cfg.guard.capsule_dir (a sharded
-    capsule's directory first, the newest), or None.
-
-    Returns ``(reached_or_None, notes)``; capsules that cannot be used are skipped with a note.
-    """
-    notes: list[str] = []
-    for d in sharded.list_dirs(cfg.guard.capsule_dir, step):
-        try:
-            return reach_from_dir(d, loaded, cfg, precision=precision, policy=policy, extra=extra), []
-        except CapsuleError as err:
-            notes.append(f"capsule {d} for step {step} not used: {err.what}")
-    candidates = []
-    for p in list_capsules(cfg.guard.capsule_dir, step):
-        try:
-            cap = read(p)
-            check_model(cap, loaded.target.model)
-            candidates.append(cap)
-        except CapsuleError as err:
-            notes.append(f"capsule {p} for step {step} not used: {err.what}")
-    if not candidates:
-        return None, notes
-    # the rank that saw the problem first, then rank 0, then the newest
-    candidates.sort(key=lambda c: (not c.local, c.rank, -(Path(c.path).stat().st_mtime)))
-    reached = reach_from_capsule(candidates[0], loaded, cfg, precision=precision, found_for=step, policy=policy)
-    reached.notes[:0] = notes
-    return reached, []
-
-
-def _rank_bad(loaded, reached) -> bool:
-    """This rank's batch, rerun once (uninstrumented, up to its update) on the restored state, gives a
-    non-finite loss or gradient; the objects end as they were."""
-    from ..locate.rerun import run_step
-
-    trace = run_step(loaded.target, reached, reached.precision, where=loaded.where, instrument=False,
-                     tolerate_errors=True, restore_after=True, ratios=False, update=False)
-    return trace.exc is None and trace.record is not None and not trace.record.finite
-
-
 def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str | Precision | None = None,
                    policy: str | None = None, extra: dict[str, Any] | None = None):
     """A sharded capsule (a directory: FSDP2/FSDP1/DDP, one rank file each) on ONE process: the full state
     goes into the entrypoint's unsharded model and optimizers; each rank's batch is rerun in rank order on
     it, and the first rank whose batch gives a non-finite value is the step diagnosed (none: the rank the
     run itself named). ``extra`` (filled in): the ranks replayed, for the report."""
+    from ..locate.rerun import run_step
+
     caps, state = sharded.read_dir(path, read)
     module, live, where = loaded.target.model, loaded.target.optimizers, str(path)
     saved = state.get("optimizers") or {}
@@ -338,7 +300,10 @@ def reach_from_dir(path: str | os.PathLike, loaded, cfg=None, *, precision: str 
     spike = all(c.status is Status.SPIKE for c in caps)   # finite values: a rerun per rank cannot tell them apart
     for cap in () if spike else caps:
         reached = reach_from_capsule(cap, loaded, cfg, precision=precision, policy=policy)
-        bad = _rank_bad(loaded, reached)
+        # its batch rerun once (uninstrumented, up to its update) on the restored state; the objects end as they were
+        trace = run_step(loaded.target, reached, reached.precision, where=loaded.where, instrument=False,
+                         tolerate_errors=True, restore_after=True, ratios=False, update=False)
+        bad = trace.exc is None and trace.record is not None and not trace.record.finite
         tried.append({"rank": cap.rank, "nonfinite": bad})
         if bad:
             chosen = reached
@@ -385,9 +350,31 @@ def capsule_reach(loaded, cfg, *, capsule: str | os.PathLike | None, at: int | N
             raise UsageError(f"the capsule holds step {reached.step}, not --at {at}", str(capsule),
                              "Drop --at (the capsule fixes the step) or give the capsule of that step")
         return reached, []
-    if at is not None:
-        return reach_for_step(at, loaded, cfg, precision=precision, policy=policy, extra=extra)
-    return None, []
+    if at is None:
+        return None, []
+    # --at N: a usable capsule for step N in guard.capsule_dir, a sharded capsule's directory first (the newest);
+    # capsules that cannot be used are skipped with a note
+    notes: list[str] = []
+    for d in sharded.list_dirs(cfg.guard.capsule_dir, at):
+        try:
+            return reach_from_dir(d, loaded, cfg, precision=precision, policy=policy, extra=extra), []
+        except CapsuleError as err:
+            notes.append(f"capsule {d} for step {at} not used: {err.what}")
+    candidates = []
+    for p in list_capsules(cfg.guard.capsule_dir, at):
+        try:
+            cap = read(p)
+            check_model(cap, loaded.target.model)
+            candidates.append(cap)
+        except CapsuleError as err:
+            notes.append(f"capsule {p} for step {at} not used: {err.what}")
+    if not candidates:
+        return None, notes
+    # the rank that saw the problem first, then rank 0, then the newest
+    candidates.sort(key=lambda c: (not c.local, c.rank, -(Path(c.path).stat().st_mtime)))
+    reached = reach_from_capsule(candidates[0], loaded, cfg, precision=precision, found_for=at, policy=policy)
+    reached.notes[:0] = notes
+    return reached, []
 
 
 def build_from_reached(reached, *, entry: str | None = None) -> dict:

@@ -142,12 +142,6 @@ def _intact(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= (t.storage_offset() + span) * t.element_size()
 
 
-def _clean(name: str) -> str:
-    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 def _on_rank0(fn: Any) -> Path:
     """``fn()`` (a path) run on rank 0, on every rank (one broadcast); its OSError raises on every rank."""
     dist = torch.distributed
@@ -201,7 +195,8 @@ def write(data: dict[str, Any], folder: str | os.PathLike, model: torch.nn.Modul
         dropped += [f"carried {q} (a view of freed memory)" for q in attrs if q not in kept]
         own["carried"] = dict(own["carried"], attrs=kept)
     if fsdp1_root(model) is not None:   # flat shards: the original names and full shapes, as the state holds them
-        buffers = {_clean(n) for n, _ in model.named_buffers()}
+        buffers = {re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.", "", n)
+                   for n, _ in model.named_buffers()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)   # ShardedTensor's deprecation: FSDP1 state dicts use it
             own["fingerprint"] = [[k, list(v.size())] for k, v in state["model"].items() if k not in buffers]

@@ -87,10 +87,8 @@ class Stream:
     def __init__(self, target: Target, rng: RngTracker | None = None, *, record: bool = True):
         self.record = record      # keep pristine clones of the items (False: scan-data, which only reads them)
         self.end_note: str | None = None
-        self.batches = target.batches
-        self.epochs = target.epochs
-        self.accumulate = target.accumulate
-        self.callable = is_callable_batches(self.batches)
+        self.target = target
+        self.callable = is_callable_batches(target.batches)
         self.rng = rng
         self.epoch = -1
         self.next_step = 0
@@ -101,13 +99,13 @@ class Stream:
 
     # -- items ------------------------------------------------------------------------------------
     def _start_epoch(self) -> bool:
-        if self.callable or self.epoch + 1 >= self.epochs:
+        if self.callable or self.epoch + 1 >= self.target.epochs:
             return False
         self.epoch += 1
         try:
-            for obj in _epoch_hooks(self.batches):
+            for obj in _epoch_hooks(self.target.batches):
                 call_user(f"{type(obj).__name__}.set_epoch({self.epoch})", obj.set_epoch, self.epoch)
-            self._it = call_user("iter(batches)", iter, self.batches)
+            self._it = call_user("iter(batches)", iter, self.target.batches)
         except UserCodeError as exc:
             raise DataLoadError(exc.during, exc.exc) from exc.exc
         self._item = 0
@@ -119,7 +117,7 @@ class Stream:
         """The next item of the current epoch: ``(True, item)``, or ``(False, None)`` at its end."""
         i = self._item
         if self.callable:
-            during, fn, arg, ends = f"batches({i})", self.batches, i, (IndexError, StopIteration)
+            during, fn, arg, ends = f"batches({i})", self.target.batches, i, (IndexError, StopIteration)
         elif self._ended or self._it is None:
             return False, None
         else:
@@ -180,7 +178,7 @@ class LiveFeed:
         """Fetch the step's next micro-batch; False at the step's end or the data's. (An item may be None: a
         step_fn that makes its own data, as RL loops do, is given ``batches=lambda step: None``.)"""
         s = self.stream
-        if self._done or len(self._live) >= s.accumulate:
+        if self._done or len(self._live) >= s.target.accumulate:
             self._done = True
             return False
         ok, item = s._fetch()
