@@ -209,21 +209,18 @@ def _build(data: dict, source: str, base: Config | None = None) -> Config:
     for name, values in data.items():
         if name not in sections:
             problems.append(f"unknown section {name!r} (known: {', '.join(sections)})")
-            continue
-        if values is None:
-            continue
-        if not isinstance(values, dict):
+        elif values is not None and not isinstance(values, dict):
             problems.append(f"section {name!r} must be a mapping")
-            continue
-        current = getattr(base, name)
-        known = {f.name: f for f in fields(current)}
-        updates = {}
-        for key, value in values.items():
-            if key not in known:
-                problems.append(f"unknown key {name}.{key} (known: {', '.join(known)})")
-                continue
-            updates[key] = _coerce(name, key, value, known[key].type, problems)
-        new_sections[name] = dataclasses.replace(current, **updates)
+        elif values is not None:
+            current = getattr(base, name)
+            known = {f.name: f for f in fields(current)}
+            updates = {}
+            for key, value in values.items():
+                if key not in known:
+                    problems.append(f"unknown key {name}.{key} (known: {', '.join(known)})")
+                else:
+                    updates[key] = _coerce(name, key, value, known[key].type, problems)
+            new_sections[name] = dataclasses.replace(current, **updates)
     if problems:
         raise ConfigError(source, problems)
     return dataclasses.replace(base, **new_sections)

@@ -320,9 +320,8 @@ def prune(capsules: list[Path], limit: int, may_delete: Callable[[Path], bool] =
 
 def carried_attrs(carried: Mapping[str, Any]) -> dict[str, Any]:
     """The ``carried`` field of a guard's capsule: the module tensor attributes a capsule can hold."""
-    if not carried:
-        return {}
-    return {"attrs": {q: v for q, v in carried.items() if v is None or isinstance(v, (torch.Tensor, tuple, list))}}
+    return {"attrs": {q: v for q, v in carried.items()
+                      if v is None or isinstance(v, (torch.Tensor, tuple, list))}} if carried else {}
 
 
 def report_stem(capsule: Path, rank: int) -> str:
