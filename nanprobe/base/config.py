@@ -248,8 +248,7 @@ def _read_yaml(text: str, source: str) -> Any:
 
 def load_config(path: str | Path | None = None) -> Config:
     """Defaults from the packaged default.yaml, then the user's file on top."""
-    default_text = default_config_path().read_text()
-    config = _build(_read_yaml(default_text, "configs/default.yaml"), "configs/default.yaml")
+    config = _build(_read_yaml(default_config_path().read_text(), "configs/default.yaml"), "configs/default.yaml")
     if path is None:
         return config
     p = Path(path)

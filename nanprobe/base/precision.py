@@ -42,8 +42,7 @@ def weights_precision(model: torch.nn.Module) -> Precision | None:
     for p in model.parameters():
         if p.is_floating_point():
             sizes[p.dtype] += p.numel()
-    dtype = max(sizes, key=sizes.get, default=None)
-    return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype)
+    return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(max(sizes, key=sizes.get, default=None))
 
 
 def parse_precision(value: str | Precision | None, default: Precision = Precision.FP32) -> Precision:
