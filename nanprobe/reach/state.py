@@ -249,12 +249,13 @@ def _indexed_state(opt: torch.optim.Optimizer) -> dict[int, dict[Any, Any]]:
 
 
 def _optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's per-parameter state and groups, with every tensor left out (stored apart)."""
+    """The optimizer's per-parameter state and groups, with every tensor left out (stored apart), and each
+    group's parameter objects: a step may add a group (gradual unfreezing: optimizer.add_param_group)."""
     state = {i: {k: (None if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
              for i, st in _indexed_state(opt).items()}
     groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"state": state, "groups": groups}
+    return {"state": state, "groups": groups, "params": [list(g["params"]) for g in opt.param_groups]}
 
 
 def _into(cur: Any, saved: Any) -> Any:
@@ -302,11 +303,10 @@ def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
     _restore_groups(opt, layout)
 
 
-def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any],
-                             groups: list[list[torch.Tensor]]) -> None:
+def _restore_group_structure(opt: torch.optim.Optimizer, layout: dict[str, Any]) -> None:
     """The param groups as they were (the same parameter objects in each): groups a step added since are
     dropped, groups it removed come back with their saved hyper-parameters."""
-    have = opt.param_groups
+    have, groups = opt.param_groups, layout["params"]
     if [[id(p) for p in g["params"]] for g in have] == [[id(p) for p in ps] for ps in groups]:
         return
     rebuilt = []
@@ -375,10 +375,7 @@ class Snapshot:
     user: list[_Held] = field(default_factory=list)
     store: TensorStore | None = None
     clean: list[tuple[torch.Tensor, int, int, torch.dtype]] | None = None   # after the last full restore
-    # each optimizer's param groups (the parameter objects): a step may add a group (gradual unfreezing:
-    # optimizer.add_param_group) or flip requires_grad, and a restore puts both back
-    groups: list[list[list[torch.Tensor]]] = field(default_factory=list)
-    trainable: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
+    trainable: list[tuple[torch.Tensor, bool]] = field(default_factory=list)   # a step may flip requires_grad
 
     @property
     def model(self) -> SavedModel:
@@ -413,8 +410,8 @@ class Snapshot:
         restore in that case copies the parameters but not the optimizer state (only an update
         writes it; after reruns that stopped before theirs it is most of the state's bytes).
         """
-        for (_, opt), layout, groups in zip(objects.optimizers, self.optimizers, self.groups):
-            _restore_group_structure(opt, layout, groups)
+        for (_, opt), layout in zip(objects.optimizers, self.optimizers):
+            _restore_group_structure(opt, layout)
         for p, flag in self.trainable:
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
@@ -539,7 +536,6 @@ class Objects:
             attrs=[(m, name, _value(getattr(m, name, None)), qual) for m, name, qual in self.attrs],
             user=capture_user_state(self.fns, [t for _, t in named]),
             store=store,
-            groups=[[list(g["params"]) for g in o.param_groups] for _, o in self.optimizers],
             trainable=[(p, p.requires_grad) for p in self.model.parameters()],
         )
 
