@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from collections.abc import Callable
@@ -220,10 +219,10 @@ def _build(data: dict, source: str, base: Config | None = None) -> Config:
                     problems.append(f"unknown key {name}.{key} (known: {', '.join(known)})")
                 else:
                     updates[key] = _coerce(name, key, value, known[key].type, problems)
-            new_sections[name] = dataclasses.replace(current, **updates)
+            new_sections[name] = replace(current, **updates)
     if problems:
         raise ConfigError(source, problems)
-    return dataclasses.replace(base, **new_sections)
+    return replace(base, **new_sections)
 
 
 def default_config_path():

@@ -6,7 +6,6 @@ Format 2 is what the package docstring lists; format 1 capsules (one batch, one 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -16,7 +15,7 @@ import shlex
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ _REQUIRED = ("step", "precision", "model", "fingerprint", "rng", "history")
 
 
 def record_dict(r: StepRecord | dict) -> dict[str, Any]:
-    return dataclasses.asdict(r) if isinstance(r, StepRecord) else dict(r)
+    return asdict(r) if isinstance(r, StepRecord) else dict(r)
 
 
 def to_record(d: dict[str, Any]) -> StepRecord:

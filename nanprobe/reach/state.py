@@ -503,11 +503,9 @@ class Objects:
         return self.own_scalers + self.user_scalers
 
     def take(self, rng: dict[str, Any] | None = None, reuse: Snapshot | None = None) -> Snapshot:
-        """Copy the state now (``rng``: the RNG states to store instead of the current ones).
-
-        ``reuse``: an earlier snapshot of these objects whose storage (buffers or file) is
-        overwritten when the layout is unchanged, so a rolling snapshot allocates nothing new.
-        """
+        """Copy the state now (``rng``: the RNG states to store instead of the current ones). ``reuse``: an
+        earlier snapshot of these objects whose storage (buffers or file) is overwritten when the layout is
+        unchanged, so a rolling snapshot allocates nothing new."""
         if self.attrs is None:
             self.attrs = module_tensor_attrs(self.model)
         # float32 master copies of the weights are saved and restored like them

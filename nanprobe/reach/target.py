@@ -6,9 +6,8 @@ its base seed from the global RNG, which would shift every later batch and dropo
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -47,10 +46,10 @@ class Target:
 
     # the low precision the weights themselves are stored in (pure bf16/fp16 training), else None;
     # set from the model: a target whose weights are bf16 trains in bf16 without any autocast
-    weights: Precision | None = dataclasses.field(default=None, init=False)
+    weights: Precision | None = field(default=None, init=False)
     # the run computes in its weights' own low dtype with no autocast (``model.to(torch.bfloat16)`` and no
     # autocast precision given): reruns in another precision cast the weights instead of rewriting autocast
-    pure: bool = dataclasses.field(default=False, init=False)
+    pure: bool = field(default=False, init=False)
 
     def __post_init__(self):
         self.precision = parse_precision(self.precision)
@@ -104,7 +103,7 @@ def named(obj: Any, base: str) -> list[tuple[str, Any]]:
     return [(base, obj)]
 
 
-KEYS = tuple(f.name for f in dataclasses.fields(Target) if f.init)
+KEYS = tuple(f.name for f in fields(Target) if f.init)
 REQUIRED = ("model", "batches")
 _HINTS = {
     "model": 'a torch.nn.Module, e.g. "model": model',
@@ -115,10 +114,8 @@ _HINTS = {
 
 
 def validate(obj: Any, where: str) -> Target:
-    """Turn what the entrypoint returned into a checked Target; one clear error otherwise.
-
-    Nothing here iterates ``batches`` or draws from an RNG.
-    """
+    """Turn what the entrypoint returned into a checked Target; one clear error otherwise. Nothing here
+    iterates ``batches`` or draws from an RNG."""
     def fail(what: str, fix: str) -> TargetError:
         return TargetError(what, where, fix)
 
@@ -283,10 +280,8 @@ def call_user(during: str, fn: Callable, *args):
 
 
 class _MovedBatches:
-    """Re-iterable view of the user's batches with every tensor moved to ``device``.
-
-    Everything else (``len``, ``sampler``, ``batch_sampler`` for ``set_epoch``) is the wrapped loader's.
-    """
+    """Re-iterable view of the user's batches with every tensor moved to ``device``; everything else
+    (``len``, ``sampler``, ``batch_sampler`` for ``set_epoch``) is the wrapped loader's."""
 
     def __init__(self, batches: Iterable[Any], device: torch.device):
         self.batches, self.device = batches, device
