@@ -80,21 +80,6 @@ def fingerprint(model: torch.nn.Module) -> list[list[Any]]:
     return [[name, list(p.shape)] for name, p in unwrap(model).named_parameters()]
 
 
-def fingerprint_difference(saved: list, model: torch.nn.Module) -> str | None:
-    mine = {name: shape for name, shape in fingerprint(model)}
-    theirs = {str(item[0]): list(item[1]) for item in saved}
-    missing = [n for n in theirs if n not in mine]
-    extra = [n for n in mine if n not in theirs]
-    parts = [f"{a} has {len(names)} parameter(s) the {b} lacks, e.g. {names[0]!r}"
-             for a, b, names in (("capsule", "model", missing), ("model", "capsule", extra)) if names]
-    if parts:
-        return "; ".join(parts)
-    for name, shape in theirs.items():
-        if mine[name] != shape:
-            return f"parameter {name!r} is {tuple(mine[name])} in the model but {tuple(shape)} in the capsule"
-    return None
-
-
 # -- weights_only-safe values ------------------------------------------------------------------------
 
 _PLAIN = (bool, int, float, str, bytes, type(None), complex)

@@ -19,7 +19,7 @@ import torch
 from ..base.errors import CapsuleError, UsageError, short_path
 from ..base.precision import Precision, device_of, parse_precision
 from ..base.report import Status
-from .codec import decode_batch, fingerprint_difference, rng_from_safe, unwrap
+from .codec import decode_batch, fingerprint, rng_from_safe, unwrap
 from . import sharded
 from .io import Capsule, build, list_capsules, read, record_dict, to_record
 
@@ -44,7 +44,14 @@ def _lightning_position(module: torch.nn.Module, epoch: int, step: int, notes: l
 
 
 def check_model(capsule: Capsule, model: torch.nn.Module) -> None:
-    diff = fingerprint_difference(capsule.data["fingerprint"], model)
+    """CapsuleError unless the capsule's fingerprint (parameter names and shapes) is the model's."""
+    mine = dict(fingerprint(model))
+    theirs = {str(item[0]): list(item[1]) for item in capsule.data["fingerprint"]}
+    parts = [f"{a} has {len(names)} parameter(s) the {b} lacks, e.g. {names[0]!r}"
+             for a, b, names in (("capsule", "model", [n for n in theirs if n not in mine]),
+                                 ("model", "capsule", [n for n in mine if n not in theirs])) if names]
+    diff = "; ".join(parts) or next((f"parameter {n!r} is {tuple(mine[n])} in the model but {tuple(shape)} in the "
+                                     "capsule" for n, shape in theirs.items() if mine[n] != shape), None)
     if diff:
         raise CapsuleError(f"capsule is from another model: {diff}", capsule.path,
                            "Pass the ENTRY that builds the model the guarded run trained")
