@@ -68,9 +68,8 @@ def limits(dtype: torch.dtype) -> Limits:
 
 
 def autocast_context(precision: Precision, device_type: str, enabled: bool = True):
-    if precision.autocast and enabled:
-        return torch.autocast(device_type=device_type, dtype=precision.dtype)
-    return contextlib.nullcontext()
+    on = precision.autocast and enabled
+    return torch.autocast(device_type=device_type, dtype=precision.dtype) if on else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -48,9 +48,7 @@ def clip_norm(model: torch.nn.Module, params: list[torch.Tensor], max_norm: floa
     """``clip_grad_norm_`` as the user's own loop calls it for this model: FSDP1's own method (the norm
     of the whole, sharded gradient), else ``torch.nn.utils.clip_grad_norm_`` of ``params``."""
     root = fsdp1_root(model)
-    if root is not None:
-        return root.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return root.clip_grad_norm_(max_norm) if root is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def full_value(t: Any) -> Any:
@@ -73,9 +71,8 @@ def sharded(model: torch.nn.Module) -> bool:
 
 def collective_device() -> torch.device:
     """Where the default group's collectives take tensors (NCCL: this rank's GPU)."""
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    nccl = torch.distributed.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def weights_finite(model: torch.nn.Module) -> bool:

@@ -51,10 +51,8 @@ def wanted(model: torch.nn.Module, world_size: int, optimizers: list[Any] = ()) 
     optimizer state (the module inside DDP, as ``watch`` and the callbacks see it: :func:`replicated`,
     two all-reduces). Any other model (each rank its own weights) keeps one file per rank. Every rank
     must call this (it may communicate)."""
-    if world_size <= 1:
-        return False
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return False
     return type(model).__name__ == "DistributedDataParallel" or sharded(unwrap(model)) \
         or fsdp1_root(model) is not None or replicated(unwrap(model), optimizers)

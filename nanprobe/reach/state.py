@@ -271,9 +271,7 @@ def _into(cur: Any, saved: Any) -> Any:
 def _want_dtype(p: torch.Tensor, key: Any, slot: Slot) -> torch.dtype:
     """torch's rule in Optimizer.load_state_dict: floating state follows the parameter's dtype,
     ``step`` keeps its own."""
-    if key != "step" and slot.dtype.is_floating_point and p.is_floating_point():
-        return p.dtype
-    return slot.dtype
+    return p.dtype if key != "step" and slot.dtype.is_floating_point and p.is_floating_point() else slot.dtype
 
 
 def _restore_optimizer(opt: torch.optim.Optimizer, layout: dict[str, Any],
