@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import replace
@@ -27,14 +28,12 @@ def assert_trains_finite(entry_or_target: Any, steps: int = 20, precision: str |
     Capsules go to a temporary folder unless ``capsule_dir`` is given. Returns the SmokeResult
     when healthy. Entry errors raise nanprobe's own errors (a broken test setup, not a failure).
     """
-    if capsule_dir is not None:
-        result = smoke(entry_or_target, steps=steps, precision=precision, config=config, capsule_dir=capsule_dir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="nanprobe-capsules-") as tmp:
-            result = smoke(entry_or_target, steps=steps, precision=precision, config=config, capsule_dir=tmp)
-            if not result.healthy:
-                result = replace(result, capsule=None, command=None,
-                                 notes=result.notes + ("pass capsule_dir= to keep the capsule of the bad step",))
+    with (contextlib.nullcontext(capsule_dir) if capsule_dir is not None
+          else tempfile.TemporaryDirectory(prefix="nanprobe-capsules-")) as folder:
+        result = smoke(entry_or_target, steps=steps, precision=precision, config=config, capsule_dir=folder)
+    if not result.healthy and capsule_dir is None:   # the temporary folder, and its capsule, are gone
+        result = replace(result, capsule=None, command=None,
+                         notes=result.notes + ("pass capsule_dir= to keep the capsule of the bad step",))
     if not result.healthy:
         raise AssertionError("nanprobe: training is not finite\n" + result.summary())
     return result
