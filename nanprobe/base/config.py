@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -227,12 +228,10 @@ def _build(data: dict, source: str, base: Config | None = None) -> Config:
 
 def default_config_path():
     """The packaged defaults (installed as nanprobe/configs), or the checkout's configs/ folder."""
-    try:
+    with contextlib.suppress(ModuleNotFoundError):
         path = resources.files("nanprobe.configs").joinpath("default.yaml")
         if path.is_file():
             return path
-    except ModuleNotFoundError:
-        pass
     return Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 

@@ -9,6 +9,7 @@ already imported, never imported); RNG states become tensors and lists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import enum
@@ -198,10 +199,8 @@ def decode_batch(enc: Any, device: torch.device | None, notes: list[str]) -> Any
         if kind == "mapping":
             t = _find_type(enc.get("type", ""), lambda c: issubclass(c, Mapping))
             if t is not None:
-                try:
+                with contextlib.suppress(Exception):   # else a plain dict
                     return t(items)
-                except Exception:  # noqa: BLE001 - fall back to a plain dict
-                    pass
             notes.append(f"batch mapping type {enc.get('type')} rebuilt as a dict")
         return dict(items)
     if kind == "namedtuple":
@@ -296,11 +295,9 @@ def rng_from_safe(safe: Any, device_type: str, field: str = "rng") -> dict[str, 
             p = safe["python"]
             state["python"] = (int(p[0]), tuple(int(v) for v in p[1]), p[2])
         if device_type == "cuda" and "cuda" in safe and torch.cuda.is_available():
-            saved = safe["cuda"]
-            saved = list(saved) if isinstance(saved, (list, tuple)) else [saved]
+            saved = safe["cuda"] if isinstance(safe["cuda"], (list, tuple)) else [safe["cuda"]]
             states = torch.cuda.get_rng_state_all()
-            for i, t in enumerate(saved[:len(states)]):
-                states[i] = t.to(torch.uint8).cpu()
+            states[:len(saved)] = [t.to(torch.uint8).cpu() for t in saved[:len(states)]]
             state["cuda"] = states
         np = sys.modules.get("numpy")
         if np is not None and "numpy" in safe:
