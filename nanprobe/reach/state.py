@@ -187,10 +187,7 @@ def _callable_holders(fn: Any) -> list[tuple[str, Any, str]]:
 
 
 def _put(kind: str, holder: Any, key: str, value: Any) -> None:
-    if kind == "cell":
-        holder.cell_contents = value
-    else:
-        setattr(holder, key, value)
+    setattr(holder, "cell_contents" if kind == "cell" else key, value)
 
 
 @dataclass(slots=True)
@@ -210,7 +207,7 @@ def capture_user_state(fns: Iterable[Any], owned: Iterable[torch.Tensor] = ()) -
     for fn in fns:
         for kind, holder, key in _callable_holders(fn):
             try:
-                raw = holder.cell_contents if kind == "cell" else getattr(holder, key)
+                raw = getattr(holder, "cell_contents" if kind == "cell" else key)
             except (ValueError, AttributeError):
                 continue
             many = raw if isinstance(raw, (list, tuple)) and raw else [raw]

@@ -312,8 +312,6 @@ def to_device(target: Target, device: str | torch.device) -> Target:
         if opt.state:
             opt.load_state_dict(opt.state_dict())  # casts the state onto the parameters' device
     batches = target.batches
-    if callable(batches) and not isinstance(batches, Iterable):
-        target.batches = lambda step: map_tensors(batches(step), lambda t: t.to(dev))
-    else:
-        target.batches = _MovedBatches(batches, dev)
+    target.batches = (lambda step: map_tensors(batches(step), lambda t: t.to(dev))) \
+        if callable(batches) and not isinstance(batches, Iterable) else _MovedBatches(batches, dev)
     return target
