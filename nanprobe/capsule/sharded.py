@@ -86,18 +86,20 @@ def replicated(module: torch.nn.Module, optimizers: list[Any] = ()) -> bool:
 # -- writing --------------------------------------------------------------------------------------------
 
 
-def _split(osd: Mapping[str, Any], dropped: list[str], i: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An optimizer state dict keyed by parameter name: (tensors for DCP, the rest for the rank file)."""
+def _split(state: Mapping[str, Mapping[str, Any]], groups: list, dropped: list[str],
+           i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Optimizer state keyed by parameter name: (tensors for DCP, the rest for the rank file)."""
     tensors: dict[str, dict[str, Any]] = {}
     rest: dict[str, dict[str, Any]] = {}
-    for name, entry in osd["state"].items():
+    for name, entry in state.items():
         for key, value in entry.items():
             (tensors if isinstance(value, torch.Tensor) else rest).setdefault(name, {})[key] = value
-    return tensors, safe_value({"param_groups": osd["param_groups"], "state": rest}, dropped, f"optimizer[{i}]")
+    return tensors, safe_value({"param_groups": groups, "state": rest}, dropped, f"optimizer[{i}]")
 
 
-def _by_name(opt: torch.optim.Optimizer, names: dict[int, str], i: int) -> dict[str, Any]:
-    """A live optimizer's state dict, its parameters named by ``names`` (id -> name)."""
+def _split_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], dropped: list[str],
+                     i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`_split` of a live optimizer, its parameters named by ``names`` (id -> name)."""
     state, groups = {}, []
     for g in opt.param_groups:
         params = []
@@ -109,7 +111,7 @@ def _by_name(opt: torch.optim.Optimizer, names: dict[int, str], i: int) -> dict[
             params.append(name)
             state[name] = opt.state.get(p, {})
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
-    return {"state": state, "param_groups": groups}
+    return _split(state, groups, dropped, i)
 
 
 def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) -> tuple[dict[str, Any], list]:
@@ -121,12 +123,12 @@ def _state(model: torch.nn.Module, optimizers: list[Any], dropped: list[str]) ->
             warnings.simplefilter("ignore")   # FSDP1's ShardedTensor and process-group deprecations
             model_sd = get_model_state_dict(model)
             osds = [get_optimizer_state_dict(model, opt) for opt in optimizers]
+        parts = [_split(osd["state"], osd["param_groups"], dropped, i) for i, osd in enumerate(osds)]
     else:
         module = unwrap(model)
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         model_sd = {k: v.detach() for k, v in module.state_dict().items()}   # DTensors stay sharded
-        osds = [_by_name(opt, names, i) for i, opt in enumerate(optimizers)]
-    parts = [_split(osd, dropped, i) for i, osd in enumerate(osds)]
+        parts = [_split_optimizer(opt, names, dropped, i) for i, opt in enumerate(optimizers)]
     return {"model": model_sd, "optimizers": {str(i): t for i, (t, _) in enumerate(parts)}}, [m for _, m in parts]
 
 
