@@ -599,9 +599,11 @@ def borrowed_globals():
             torch.set_autocast_enabled(d, False)
         yield
     finally:
+        # the flags first: assigning mm.allow_tf32 overwrites the float32 matmul precision (a user's "medium"
+        # would come back "high", and torch 2.9+ then refuses to read it back), so the precision goes back last
+        mm.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = flags
         for put, *args in undo:
             put(*args)
-        mm.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = flags
 
 
 def borrows_globals(fn):

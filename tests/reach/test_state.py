@@ -176,3 +176,21 @@ def test_an_fp64_rerun_measures_its_update_before_the_weights_go_back():
     assert fp64.record.update_ratio == pytest.approx(fp32.record.update_ratio, rel=1e-2)   # was 0
     after = _flat(t)
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+
+
+def test_borrowed_globals_gives_back_a_medium_matmul_precision():
+    # assigning torch.backends.cuda.matmul.allow_tf32 overwrites the float32 matmul precision: the flags
+    # must go back before the precision does, or a user's "medium" is lost (and torch then refuses to read it)
+    from nanprobe.reach.state import borrowed_globals
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with borrowed_globals():
+            torch.set_float32_matmul_precision("highest")
+        assert torch.get_float32_matmul_precision() == "medium"
+        with borrowed_globals():   # entered again: it reads the precision on entry
+            pass
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
