@@ -163,9 +163,9 @@ def _load(obj: Any) -> tuple[Loaded, str | None]:
 def _smoke_replay_config(cfg: Config) -> ReplayConfig:
     """Smoke judges steps with the guard's thresholds (it stands for the guarded training run). The guard never
     measures |dw|/|w| (it copies no weights): neither does smoke's judge."""
-    g = cfg.guard
+    g, shared = cfg.guard, {f.name for f in dataclasses.fields(cfg.replay)}
     return dataclasses.replace(cfg.replay, spike_window=g.window, update_ratio_limit=float("inf"), **{
-        f.name: getattr(g, f.name) for f in dataclasses.fields(g) if hasattr(cfg.replay, f.name)})
+        f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name in shared})
 
 
 @borrows_globals

@@ -215,7 +215,8 @@ class StepHooks(ScriptHooks):
         if self.compiled:   # torch.compile'd code runs eagerly in step N: its ops are checked one by one
             with contextlib.suppress(Exception):   # e.g. called inside a compiled region: the ops stay unseen
                 self._armed.enter_context(torch.compiler.set_stance("force_eager"))
-        self._armed.enter_context(self.tracker)
+        self._armed.push(self.tracker.__exit__)   # before entering: a failed entry still removes its global hooks
+        self.tracker.__enter__()
         self.tracker.set_phase(Phase.FORWARD)
         self.tracker._pre_hook(root, args)   # this call: the tracker's own hook came after it started
         mm = torch.nn.modules.module
