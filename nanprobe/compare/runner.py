@@ -10,13 +10,13 @@ import torch
 
 from ..base.batch import iter_tensors
 from ..base.config import CompareConfig, Config, load_config
-from ..pipeline.diagnose import origin_of
+from ..pipeline.diagnose import origin_of, update_in_question
 from ..reach.entry import Loaded, load_target
 from ..base.errors import UsageError
 from ..locate.instrument import Event, Probe
 from ..base.precision import Precision, describe_device, device_of, emulate_fp16_matmuls
 from ..reach.replay import NoBadStep, Reached, reach, storage_policy
-from ..base.report import Phase, Status
+from ..base.report import Phase
 from ..locate.rerun import run_step
 from ..reach.state import StoragePolicy, borrows_globals
 from .measure import _Capture, _input_underflow, _OpProbe, _OriginProbe, _Run, _Store
@@ -31,9 +31,7 @@ class _Comparer:
         self.device = device_of(self.target.model)
         self.store = _Store(int(cfg.max_reference_mb * 2 ** 20), storage)
         # reruns end before the optimizer update unless the update is in question (as in nanprobe run)
-        r = reached.record
-        suspect = r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
-        self.update = self.target.step_fn is not None or r is None or suspect or reached.status is Status.SPIKE
+        self.update = update_in_question(self.target, reached)[1]
         # fp16 what-ifs on CPU run fp16 matmuls emulated (float32 arithmetic, fp16 rounding): CPU fp16
         # kernels are 5-10x slower; the run's own precision keeps its native kernels
         self.emulate = self.device.type == "cpu" and reached.precision is not Precision.FP16

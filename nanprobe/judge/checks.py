@@ -358,7 +358,8 @@ def _parse_labels(leaf: Leaf, v: list[float], st: Stats) -> None:
         st.maybe_all_ignored = True
 
 
-def _measure(items: list[Leaf], ignore_index: int, extra: Sequence[torch.Tensor]) -> tuple[list[Stats], list[float]]:
+def measure_leaves(items: list[Leaf], ignore_index: int,
+                   extra: Sequence[torch.Tensor]) -> tuple[list[Stats], list[float]]:
     """Reductions of every leaf (plus ``extra`` 0-dim tensors) read back with one sync per device."""
     for leaf in items:
         leaf.ignore_index = ignore_index
@@ -553,7 +554,7 @@ def check_batch(batch: Any, *, step: int | None = None, ignore_index: int = -100
     floating values beyond it become inf on the autocast cast.
     """
     items = leaves(batch)
-    stats, _ = _measure(items, ignore_index, ())
+    stats, _ = measure_leaves(items, ignore_index, ())
     problems: list[DataProblem] = []
     for leaf, st in zip(items, stats):
         if suspect(leaf, st, num_classes, range_max):

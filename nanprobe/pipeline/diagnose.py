@@ -40,6 +40,16 @@ def autocast_policy(device: torch.device, precision: Precision, policy: str = "n
     return f"native {device.type} autocast ({precision.value})"
 
 
+def update_in_question(target: Target, reached: Reached) -> tuple[bool, bool]:
+    """(suspect, update) for the reruns of a reached step. Suspect: the replayed step's weights went
+    non-finite with a finite loss and gradient norm. Reruns of a loss_fn loop end before the optimizer
+    update unless the update is in question (suspect, or the step is a spike): then nothing but the
+    forward pass's state needs restoring between reruns."""
+    r = reached.record
+    suspect = r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
+    return suspect, target.step_fn is not None or r is None or suspect or reached.status is Status.SPIKE
+
+
 def origin_of(e: Event | None, precision: str) -> Origin | None:
     if e is None:
         return None
@@ -144,13 +154,8 @@ def _diagnose(loaded: Loaded, reached: Reached, cfg: Config, command: str,
     progress(f"rerunning step {reached.step} instrumented ({prec.value})")
     # the update phase is checked op by op only where the update may have made the weights non-finite:
     # it is most of a step's ops (an optimizer runs several per parameter)
-    r = reached.record   # suspect: the replayed step's weights went non-finite with a finite loss and gradient norm
-    suspect = r is not None and not r.finite and all(x is None or math.isfinite(x) for x in (r.loss, r.grad_norm))
+    suspect, update = update_in_question(target, reached)
     phases = _FWD_BWD | ({Phase.UPDATE} if suspect else set())
-    # reruns of a loss_fn loop end before the optimizer update unless the update is in question
-    # (it made the weights non-finite, or the step is a spike): then nothing but the forward pass's
-    # state needs restoring between reruns
-    update = target.step_fn is not None or reached.record is None or suspect or reached.status is Status.SPIKE
     deferred = {"auto": None, "on": True, "off": False}[cfg.run.deferred_checks]
     rerun = functools.partial(run_step, target, reached, where=where, tolerate_errors=True, restore_after=False)
     main = rerun(prec, phases=phases, update=update, deferred=deferred)

@@ -35,7 +35,7 @@ import torch
 from ..base.version import __version__
 from ..base.batch import clone_batch, iter_tensors, key_name, map_tensors
 from ..judge.checks import (BOOL, FLOAT, FLOAT_MASK, INT, LABEL, LOSS_MASK, MASK, PAD_MASK, WARNING_CODES, DataProblem, Leaf,
-                     Stats, _measure, is_ragged, leaf_problems, leaves, sample_rows, suspect)
+                     Stats, measure_leaves, is_ragged, leaf_problems, leaves, sample_rows, suspect)
 from ..base.config import Config, ScanConfig, load_config
 from ..reach.entry import Loaded, load_target
 from ..base.errors import EXIT_FOUND, EXIT_OK, UsageError
@@ -238,7 +238,7 @@ class Scanner:
             elif leaf.role == FLOAT and leaf.tensor.numel() > 1 and _refresh_due(ks.batches):
                 refresh.append((ks, len(extra)))
                 extra += self._reference(ks, leaf.tensor)
-        stats, values = _measure(items, self.ignore_index, extra)
+        stats, values = measure_leaves(items, self.ignore_index, extra)
         for ks, i in refresh:
             median, mad, meanad = values[i:i + 3]
             ks.median = median if math.isfinite(median) else None
