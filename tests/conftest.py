@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def _restore_global_state():
     random.setstate(py_rng)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     os.chdir(cwd)
+
+
+_PROGRESS = re.compile(r"nanprobe: (?!error: ).* \(\d+ s\)")
+
+
+def output_lines(text: str) -> list[str]:
+    """A command's non-blank output lines, less the plain progress lines ("nanprobe: replaying step 3 (10 s)")
+    that a command running past 10 s prints: on a loaded CI machine one can come before the error line."""
+    return [line for line in text.strip().splitlines() if line.strip() and not _PROGRESS.fullmatch(line.strip())]
 
 
 def example(name: str) -> str:

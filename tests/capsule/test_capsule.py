@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import asset, example
+from conftest import asset, example, output_lines
 from nanprobe import diagnose
 from nanprobe.capsule import list_capsules
 from nanprobe.surface.cli import app
@@ -87,7 +87,7 @@ def test_bad_capsules_exit_2_with_one_line(tmp_path, kind):
         torch.save({"nanprobe_capsule": 1, "evil": Evil()}, bad, _use_new_zipfile_serialization=True)
     result = _run_capsule(bad)
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    lines = output_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("nanprobe: error: ") and "Traceback" not in result.output
     assert "this must never run" not in result.output
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import assert_same_state, asset, example, plain_first_bad, state_of
+from conftest import assert_same_state, asset, example, output_lines, plain_first_bad, state_of
 from nanprobe.surface.cli import app
 from nanprobe.compare import CHOICES, compare_precisions, parse_precisions, plot_comparison
 from nanprobe.base.config import load_config
@@ -255,7 +255,7 @@ def test_cli_json_to_stdout_and_exit_codes():
 def test_cli_bad_flags_exit_2_with_one_line(args, fragment):
     result = runner.invoke(app, ["compare-precisions", f"{T}:healthy", *args])
     assert result.exit_code == 2
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    lines = output_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("nanprobe: error: ") and fragment in lines[0], result.output
 
 
@@ -275,7 +275,7 @@ def test_plot_without_matplotlib_is_one_line_exit_2(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     result = runner.invoke(app, ["compare-precisions", f"{T}:healthy", "--plot", str(tmp_path / "r.png")])
     assert result.exit_code == 2
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    lines = output_lines(result.output)
     assert lines == ["nanprobe: error: --plot needs matplotlib, which is not installed (--plot). "
                      "Install it with: pip install 'nanprobe[plot]'."]
     assert not (tmp_path / "r.png").exists()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import asset, example
+from conftest import asset, example, output_lines
 from nanprobe.judge.checks import DataProblem, check_batch, leaves
 from nanprobe.surface.cli import app
 from nanprobe.base.config import load_config
@@ -294,7 +294,7 @@ def test_cli_exit_codes():
 def test_cli_bad_input_exits_2_with_one_line(args, fragment):
     result = invoke("scan-data", *args)
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    lines = output_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("nanprobe: error: ") and fragment in lines[0]
     assert "Traceback" not in result.output
 

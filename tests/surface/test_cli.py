@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import asset
+from conftest import asset, output_lines
 from nanprobe.surface.cli import app
 
 runner = CliRunner()
@@ -20,7 +20,7 @@ def invoke(*args):
 def _one_error_line(result) -> str:
     text = result.output.strip()
     assert "Traceback" not in text
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = output_lines(text)
     assert len(lines) == 1, text
     assert lines[0].startswith("nanprobe: error: ")
     return lines[0]
