@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 from typer.core import TyperGroup
 
 try:   # typer >= 0.17 vendors click as typer._click; older releases use the click package
@@ -388,6 +389,9 @@ ExplainOpt = Annotated[Optional[bool], typer.Option(
                                    "explained by nanprobe watch --at N after the script ends (the script runs again "
                                    "up to step N; --json gets that report). Default: when reaching the step took "
                                    "at most watch.explain_budget seconds (300); --explain always, --no-explain never.")]
+# watch's explain runs `watch --at N` in a fresh interpreter with the script's output sent to a file: the report
+# goes to this file instead (rendered for a terminal of the given width), and watch prints it
+ReportToOpt = Annotated[Optional[str], typer.Option("--report-to", hidden=True, metavar="FILE:WIDTH")]
 
 
 @app.command("watch")
@@ -395,7 +399,7 @@ ExplainOpt = Annotated[Optional[bool], typer.Option(
 def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy: WatchPolicyOpt = "skip",
               dirpath: DirOpt = Path("nanprobe-reports"), entry: EntryOpt = None, max_reports: MaxReportsOpt = 1,
               config: ConfigOpt = None, debug: DebugOpt = False, at: WatchAtOpt = None,
-              explain: ExplainOpt = None) -> None:
+              explain: ExplainOpt = None, report_to: ReportToOpt = None) -> None:
     """Run an unmodified script under the guard (global hooks); diagnose its first bad step in-process.
 
     Under a launcher (torchrun, accelerate launch, bash run.sh) every Python process it starts is watched.
@@ -406,7 +410,13 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
         from ..watch.at import watch_at
         from .render import render_report
         at_result = watch_at(command or [], at, dirpath=dirpath, json_out=json_out, config=load_config(config))
-        render_report(at_result.report, console())
+        if report_to is not None:
+            path, _, width = report_to.rpartition(":")
+            with open(path, "w") as f:
+                render_report(at_result.report, Console(file=f, width=int(width), force_terminal=True,
+                                                        highlight=False))
+        else:
+            render_report(at_result.report, console())
         print(at_result.summary(), file=sys.stderr)
         raise typer.Exit(at_result.exit_code)
     from ..watch import watch
@@ -429,8 +439,13 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
         from ..watch.at import explain as explain_steps
         explain_steps(result.events, command or [], functools.partial(print, file=sys.stderr), steps=result.steps,
                       seconds=seconds, budget=math.inf if explain else cfg.watch.explain_budget, dirpath=dirpath,
-                      config=config, json_out=json_out)
+                      config=config, json_out=json_out, show=_show_ansi, width=console().width)
     raise typer.Exit(result.exit_code)
+
+
+def _show_ansi(text: str) -> None:
+    """Print a report another nanprobe process rendered (ANSI) on stdout: in colour only on a terminal."""
+    console().print(Text.from_ansi(text), end="", soft_wrap=True)
 
 
 def _check_precision(precision: str | None) -> None:

@@ -314,13 +314,15 @@ def unlocated_step(events: Sequence[Any]) -> int | None:
 
 def explain(events: Sequence[Any], command: Sequence[str], say: Callable[[str], Any], *, steps: int,
             seconds: float, budget: float, dirpath: str | os.PathLike = DEFAULT_DIR,
-            config: str | os.PathLike | None = None, json_out: str | os.PathLike | None = None) -> None:
+            config: str | os.PathLike | None = None, json_out: str | os.PathLike | None = None,
+            show: Callable[[str], Any] | None = None, width: int = 120) -> None:
     """After the watched run (``steps`` optimizer steps in ``seconds``), the first bad step it did not locate
     is explained by ``nanprobe watch --at N`` in a fresh interpreter (the script starts as it did: its start
     state is restored from --dir) when reaching it took about ``budget`` seconds or less; else a line says how
     long it would take and gives the command. With ``json_out`` (watch's --json), that file becomes the
     explained report, with a ``watch_explained`` section (how, the in-process report it replaces). The lines
-    for the summary go to ``say``."""
+    for the summary go to ``say``; the explained report, rendered ``width`` wide (ANSI), to ``show``. What the
+    script prints again while it re-executes goes to a file in --dir, not to the screen a second time."""
     import subprocess
     import tempfile
 
@@ -335,17 +337,26 @@ def explain(events: Sequence[Any], command: Sequence[str], say: Callable[[str], 
         return
     say(f"nanprobe watch: step {step} was not located in-process: re-executing the script to step {step} "
         "to explain it (--no-explain skips this)")
+    log = Path(dirpath) / f"at-step{step:07d}-output.log"
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "at.json"
+        out, rendered = Path(tmp) / "at.json", Path(tmp) / "at.txt"
         argv = [sys.executable, "-m", "nanprobe.surface.cli", "watch", "--at", str(step), "--dir", str(dirpath),
-                "--json", str(out), *(["--config", str(config)] if config is not None else []), "--", *command]
-        done = subprocess.run(argv, check=False)
+                "--json", str(out), "--report-to", f"{rendered}:{width}",
+                *(["--config", str(config)] if config is not None else []), "--", *command]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as f:
+            done = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
         try:
             data = json.loads(out.read_text())
         except (OSError, ValueError):
+            data = {"status": "error"}
+        if data.get("status") == "error":   # it raised, or stopped on an error line (its --json says which)
+            tail = data.get("error") or next(iter(log.read_text(errors="replace").strip().splitlines()[-1:]), "")
             say(f"nanprobe watch: step {step} was not located in-process; {command_line} failed "
-                f"(exit code {done.returncode})")
+                f"(exit code {done.returncode})" + (f": {tail.strip()}" if tail else "") + f" Its output: {log}")
             return
+        if show is not None and rendered.exists():
+            show(rendered.read_text())
     path = max(Path(dirpath).glob(f"at-step{step:07d}-*.json"), key=lambda p: p.stat().st_mtime, default=None)
     if json_out is not None:
         first = next((e for e in events if e.step == step and e.report), None)
@@ -361,7 +372,7 @@ def explain(events: Sequence[Any], command: Sequence[str], say: Callable[[str], 
     top = (data.get("findings") or [{}])[0].get("cause")
     say(f"nanprobe watch: step {step} was not located in-process, so the script was re-executed with step "
         f"{step} instrumented ({command_line}): {what}" + (f", cause {top}" if top else "")
-        + (f"; report: {path}" if path else ""))
+        + (f"; report: {path}" if path else "") + f"; the script's output this time: {log}")
 
 
 __all__ = ["watch_at", "explain", "unlocated_step", "AtResult"]

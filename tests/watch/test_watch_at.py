@@ -232,6 +232,11 @@ def test_watch_cli_at_and_explain(tmp_path):
                            f"was re-executed with step {expected} instrumented (nanprobe watch --at {expected} "
                            f"--dir {reports} -- python {SQRT}): origin in backward, module distance, SqrtBackward0, "
                            "cause sqrt")
+    # the explained report is shown here; what the script printed again went to a file, not to the screen
+    log = reports / f"at-step{expected:07d}-output.log"
+    assert line.endswith(f"; the script's output this time: {log}")
+    assert f"nanprobe watch: step {expected}: non-finite values born in backward" in res.output
+    assert f"step {expected - 1} loss" in log.read_text() and "nanprobe watch --at" in log.read_text()
     explained = _json(next(reports.glob(f"at-step{expected:07d}-*.json")))
     assert (explained["origin"]["phase"], explained["findings"][0]["cause"]) == ("backward", "sqrt")
     data = _json(out)   # the --json report is the explained one, and says how it was made
@@ -375,3 +380,18 @@ def test_watch_does_not_call_a_nan_loss_an_exp_overflow():
     assert (finding.cause, origin.op) == (Cause.UNKNOWN, None)
     finding, origin = loss_outside_finding({"ops": ops, "loss": "inf", "kind": "inf"}, "fp32")
     assert (finding.cause, origin.op) == (Cause.OVERFLOW, "aten.exp")
+
+
+def test_explain_says_in_one_line_why_the_re_execution_failed(tmp_path, monkeypatch):
+    """A re-execution that stops on an error gives one line with its error and where its output went."""
+    import nanprobe.watch.at as at
+
+    monkeypatch.setattr(at, "unlocated_step", lambda events: 3)
+    lines, shown = [], []
+    at.explain([], ["python", str(tmp_path / "gone.py")], lines.append, steps=8, seconds=1.0, budget=100,
+               dirpath=tmp_path, show=shown.append)
+    log = tmp_path / "at-step0000003-output.log"
+    assert len(lines) == 2 and not shown, lines
+    assert lines[1].startswith("nanprobe watch: step 3 was not located in-process; nanprobe watch --at 3 ")
+    assert "failed (exit code 2): script " in lines[1] and "gone.py' not found" in lines[1]
+    assert lines[1].endswith(f"Its output: {log}") and "not found" in log.read_text()
