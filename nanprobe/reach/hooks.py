@@ -58,6 +58,9 @@ class ScriptHooks:
         self.scaler: torch.amp.GradScaler | None = None   # the GradScaler whose step (of the guarded one) runs now
         self.scaler_seen: torch.amp.GradScaler | None = None   # the GradScaler the script scales its loss with
         self.clip: tuple[torch.Tensor, Any] | None = None   # the script's last clip_grad_norm_: (norm before, max_norm)
+        # optimizer id -> its step() calls in progress: a subclass whose step() calls super().step() runs torch's
+        # step hooks at both levels once the base class has an instance too; that is one step, seen at the outer
+        self._stepping: dict[int, int] = {}
         self._patches: list[Patch] = []
         self._hooks: list[Any] = []
 
@@ -161,6 +164,7 @@ class ScriptHooks:
     # -- the script's calls -----------------------------------------------------------------------------
 
     def _backward(self, original, tensors, *args, **kwargs):
+        self._stepping.clear()   # no step is in progress (one that raised never ran its post hooks)
         if self.listening():
             # after GradScaler.scale, what is backpropagated is the scaled loss (maybe divided further, as in
             # (scaler.scale(loss) / k).backward()): the loss was taken at scale
@@ -201,7 +205,8 @@ class ScriptHooks:
         return out
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not self.active() or not self.guards(opt):
+        depth = self._stepping[id(opt)] = self._stepping.get(id(opt), 0) + 1
+        if depth > 1 or not self.active() or not self.guards(opt):   # depth > 1: super().step() of a subclass
             return None
         if self.scaler is not None:   # seen in GradScaler.step already
             self.update_begins(opt)
@@ -230,7 +235,10 @@ class ScriptHooks:
         return (args[0], guarded, *args[2:]), kwargs
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.active() and self.scaler is None and self.guards(opt, adopt=False):
+        depth = self._stepping.pop(id(opt), 1) - 1
+        if depth > 0:   # the inner super().step() returned: the outer step goes on
+            self._stepping[id(opt)] = depth
+        elif self.active() and self.scaler is None and self.guards(opt, adopt=False):
             self.step_done(opt)
 
 

@@ -430,3 +430,11 @@ def test_a_clip_inside_the_optimizers_step_is_not_the_next_steps_norm(tmp_path, 
     assert seen.keys() == {0, 1, 2, 3}
     for step, norm in seen.items():
         assert norm == pytest.approx(printed[step], rel=1e-5), (step, seen, printed)
+
+
+def test_a_subclassed_optimizer_calling_super_step_is_one_step(tmp_path):
+    """WarmupAdamW.step calls AdamW.step, and a plain AdamW exists too: torch runs the step hooks at both
+    levels. That is one step: six steps seen, the NaN batch's step is 3 (not 6 of 12)."""
+    result = watch(["python", str(WATCH / "subclassed_optimizer.py")], dirpath=tmp_path / "reports")
+    assert result.exit_code == 0 and result.steps == 6, result.summary()
+    assert [(e.step, e.reason, e.action) for e in result.events] == [(3, "loss is nan", "skipped")]
