@@ -412,7 +412,7 @@ def watch_cmd(command: CommandArg = None, json_out: WatchJsonOpt = None, policy:
         at_result = watch_at(command or [], at, dirpath=dirpath, json_out=json_out, config=load_config(config))
         if report_to is not None:
             path, _, width = report_to.rpartition(":")
-            with open(path, "w") as f:
+            with open(path, "w", encoding="utf-8") as f:
                 render_report(at_result.report, Console(file=f, width=int(width), force_terminal=True,
                                                         highlight=False))
         else:

@@ -356,7 +356,7 @@ def explain(events: Sequence[Any], command: Sequence[str], say: Callable[[str], 
                 f"(exit code {done.returncode})" + (f": {tail.strip()}" if tail else "") + f" Its output: {log}")
             return
         if show is not None and rendered.exists():
-            show(rendered.read_text())
+            show(rendered.read_text(encoding="utf-8"))
     path = max(Path(dirpath).glob(f"at-step{step:07d}-*.json"), key=lambda p: p.stat().st_mtime, default=None)
     if json_out is not None:
         first = next((e for e in events if e.step == step and e.report), None)
